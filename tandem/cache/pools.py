@@ -1,0 +1,41 @@
+"""Device memory for the caches: a paged KV pool per full-attention layer and a GDN state slot pool per GDN layer.
+
+- KV: K and V each `[num_blocks, block_size, kv_heads, head_dim]`; block 0 is the null block.
+- GDN: conv state `[slots, conv_dim, K-1]` in the model dtype and recurrent state `[slots, nv, dk, dv]` in the
+  config's ssm dtype (fp32 for Qwen3.5); slot 0 is the null slot. A slot is zeroed when handed out, so a new
+  request always starts from the empty state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.cache.allocator import CountingAllocator
+from tandem.config import EngineConfig, ModelConfig
+
+
+class CachePools:
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig):
+        dev, dt = ecfg.device, ecfg.dtype
+        self.block_size = ecfg.block_size
+        self.blocks = CountingAllocator(ecfg.num_kv_blocks, "kv blocks")
+        self.slots = CountingAllocator(ecfg.num_state_slots + 1, "gdn state slots")
+        kv_shape = (ecfg.num_kv_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        conv_shape = (ecfg.num_state_slots + 1, cfg.conv_dim, cfg.conv_kernel - 1)
+        rec_shape = (ecfg.num_state_slots + 1, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)
+        ssm_dtype = cfg.ssm_dtype or dt
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for t in cfg.layer_types:
+            if t == "full_attention":
+                pair = (torch.zeros(kv_shape, dtype=dt, device=dev), torch.zeros(kv_shape, dtype=dt, device=dev))
+            else:
+                pair = (torch.zeros(conv_shape, dtype=dt, device=dev), torch.zeros(rec_shape, dtype=ssm_dtype, device=dev))
+            self.layer_caches.append(pair)
+        self._gdn = [c for c, t in zip(self.layer_caches, cfg.layer_types) if t == "linear_attention"]
+
+    def allocate_slot(self) -> int:
+        slot = self.slots.allocate(1)[0]
+        for conv, rec in self._gdn:
+            conv[slot].zero_()
+            rec[slot].zero_()
+        return slot

@@ -1,0 +1,53 @@
+"""`tandem ...` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(args) -> int:
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    if args.prompt_token_ids:
+        prompt = {"prompt_token_ids": [int(t) for t in args.prompt_token_ids.split(",")]}
+    else:
+        prompt = args.prompt
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    print("token ids:", out.token_ids)
+    if out.text is not None:
+        print("text:", out.text)
+    print("finish reason:", out.finish_reason)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="tandem")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="offline generation with the colocated engine")
+    g.add_argument("--model", default="tiny-moe", help="checkpoint directory or preset name")
+    g.add_argument("--prompt", default=None, help="text prompt (needs a tokenizer in the model directory)")
+    g.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--device", default=None)
+    g.add_argument("--max-model-len", type=int, default=4096)
+    g.set_defaults(fn=_generate)
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The colocated engine (prefill and decode in one process) and the vLLM-shaped `LLM` API over it."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tandem.cache.pools import CachePools
+from tandem.config import EngineConfig, ModelConfig
+from tandem.engine.runner import ModelRunner
+from tandem.engine.sampler import sample
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import Sequence, Status
+from tandem.model.loader import load_checkpoint
+from tandem.model.presets import PRESETS, preset_config, random_model
+from tandem.tokenizer import load_tokenizer
+
+
+def load_model(model: str, device: str, dtype: torch.dtype, seed: int = 0):
+    """A directory with a checkpoint, or a preset name (random weights). Returns (cfg, model, model_dir)."""
+    if os.path.isdir(model):
+        cfg = ModelConfig.from_dir(model)
+        net, _mtp = load_checkpoint(model, cfg, device, dtype)
+        return cfg, net, model
+    if model in PRESETS:
+        cfg = preset_config(model)
+        return cfg, random_model(cfg, device, dtype, seed), None
+    raise ValueError(f"model {model!r} is neither a directory nor a preset ({sorted(PRESETS)})")
+
+
+class Engine:
+    """Owns the model, the cache pools, the scheduler and the runner; `step()` runs one batched forward."""
+
+    def __init__(self, cfg: ModelConfig, model, ecfg: EngineConfig):
+        self.cfg, self.ecfg = cfg, ecfg
+        self.pools = CachePools(cfg, ecfg)
+        self.scheduler = Scheduler(ecfg, self.pools)
+        self.runner = ModelRunner(model, self.pools, ecfg)
+        self.generators: dict[str, torch.Generator] = {}
+        self.sequences: dict[str, Sequence] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        seq = Sequence(request_id, list(prompt_token_ids), params, eos_ids=list(self.cfg.eos_token_ids))
+        self.scheduler.add(seq)
+        self.sequences[request_id] = seq
+        if params.seed is not None:
+            self.generators[request_id] = torch.Generator(device=self.ecfg.device).manual_seed(params.seed)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences.get(request_id)
+        if seq is not None:
+            self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.generators.pop(seq.request_id, None)
+        self.sequences.pop(seq.request_id, None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """Runs one step; returns the sequences that finished in it."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.runner.run(chunks)
+        # only rows that reached the end of their known tokens produce a token
+        rows = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
+        if not rows:
+            return []
+        seqs = [chunks[i].seq for i in rows]
+        tokens, logprobs = sample(logits[rows], seqs, self.generators)
+        finished = []
+        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs):
+            seq.output_token_ids.append(tok)
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            reason = self._stop_reason(seq, tok)
+            if reason:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in seq.eos_ids):
+                return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens:
+            return "length"
+        return None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+class LLM:
+    """`LLM(model="tiny-moe").generate([{"prompt_token_ids": [...]}], SamplingParams(...))`."""
+
+    def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str | None = None,
+                 max_num_seqs: int = 64, max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
+                 block_size: int = 16, seed: int = 0):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        ecfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                            max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device)
+        cfg, net, model_dir = load_model(model, device, ecfg.dtype, seed)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.engine = Engine(cfg, net, ecfg)
+        self._ids = itertools.count()
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
+            return self.tokenizer.encode(prompt)
+        raise ValueError("a prompt is a string or {'prompt_token_ids': [...]}")
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self._prompt_ids(p) for p in prompts]  # validate everything before queuing anything
+        seqs = []
+        try:
+            for toks, p in zip(ids, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, toks, p)
+                seqs.append(self.engine.sequences[rid])
+            while self.engine.has_work():
+                self.engine.step()
+        finally:
+            for s in seqs:
+                if s.status != Status.FINISHED:
+                    self.engine.abort(s.request_id)
+        return [self._output(s) for s in seqs]
+
+    def _output(self, s: Sequence) -> RequestOutput:
+        text = self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True) if self.tokenizer else None
+        lps = s.output_logprobs if s.params.logprobs is not None else None
+        return RequestOutput(s.request_id, s.prompt_token_ids,
+                             [CompletionOutput(0, list(s.output_token_ids), text, s.finish_reason, lps)])

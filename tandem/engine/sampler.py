@@ -1,0 +1,84 @@
+"""Token sampling for a batch of requests, each with its own SamplingParams.
+
+Order (as vLLM): penalties on the raw logits -> min_tokens mask -> temperature -> top-k / top-p / min-p -> draw.
+Draws use the exponential-race trick (argmax p / E, E ~ Exp(1)), so a seeded request takes its noise from its own
+generator and gets the same tokens whatever else is in the batch. Logprobs are of the unmodified model distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.sequence import Sequence
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    for i, s in enumerate(seqs):
+        p = s.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(s.token_ids)), device=logits.device)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and s.output_token_ids:
+            counts = torch.bincount(torch.tensor(s.output_token_ids, device=logits.device), minlength=logits.shape[1])
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _mask_top_k_top_p_min_p(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    dev = probs.device
+    top_k = torch.tensor([s.params.top_k or probs.shape[1] for s in seqs], device=dev)
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=dev, dtype=probs.dtype)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=dev, dtype=probs.dtype)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=dev)[None, :]
+    # keep a token when the mass strictly before it is < top_p (so the top token always survives)
+    before = sorted_p.cumsum(-1) - sorted_p
+    keep = (rank < top_k[:, None]) & (before < top_p[:, None]) & (sorted_p >= min_p[:, None] * sorted_p[:, :1])
+    sorted_p = sorted_p * keep
+    masked = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    return masked / masked.sum(-1, keepdim=True)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], generators: dict[str, torch.Generator]):
+    """logits: fp32 [B, V]. Returns (token ids [B], per-row logprob dicts)."""
+    raw_logprobs = _logprobs(logits, seqs)
+    logits = logits.clone()
+    _apply_penalties(logits, seqs)
+    for i, s in enumerate(seqs):
+        if len(s.output_token_ids) < s.params.min_tokens:
+            logits[i, s.params.stop_token_ids + ([] if s.params.ignore_eos else s.eos_ids)] = float("-inf")
+    greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+    temps = torch.tensor([s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs], device=logits.device)
+    probs = _mask_top_k_top_p_min_p((logits / temps[:, None]).softmax(-1), seqs)
+    noise = torch.empty_like(probs).exponential_()
+    for i, s in enumerate(seqs):
+        g = generators.get(s.request_id)
+        if g is not None:
+            noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
+    drawn = (probs / noise).argmax(-1)
+    tokens = torch.where(greedy, logits.argmax(-1), drawn)
+    return tokens, logprob_dicts(raw_logprobs, tokens, seqs)
+
+
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence]):
+    if all(s.params.logprobs is None for s in seqs):
+        return None
+    return logits.log_softmax(-1)
+
+
+def logprob_dicts(logprobs: torch.Tensor | None, tokens: torch.Tensor, seqs: list[Sequence]) -> list[dict | None]:
+    """Per row: the top-n tokens' logprobs plus the sampled token's (as vLLM returns them)."""
+    if logprobs is None:
+        return [None] * len(seqs)
+    out = []
+    for i, s in enumerate(seqs):
+        n = s.params.logprobs
+        if n is None:
+            out.append(None)
+            continue
+        top_v, top_i = logprobs[i].topk(n) if n else (logprobs[i, :0], logprobs[i, :0].long())
+        d = dict(zip(top_i.tolist(), top_v.tolist()))
+        tok = int(tokens[i])
+        d[tok] = float(logprobs[i, tok])
+        out.append(d)
+    return out

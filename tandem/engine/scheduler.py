@@ -1,0 +1,90 @@
+"""Continuous batching with chunked prefill.
+
+Each step: every running request past its prompt decodes one token (decode rows first), then prompt chunks fill
+the rest of the token budget, oldest first. A request is admitted only when `max_num_seqs` allows and its KV
+blocks (for its whole possible length, so it never needs preemption) and a GDN state slot are free.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.cache.pools import CachePools
+from tandem.config import EngineConfig
+from tandem.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # tokens of this sequence processed in this step, starting at seq.num_computed
+
+
+class Scheduler:
+    def __init__(self, ecfg: EngineConfig, pools: CachePools):
+        self.ecfg = ecfg
+        self.pools = pools
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        max_len = len(seq.prompt_token_ids) + seq.params.max_tokens
+        if len(seq.prompt_token_ids) == 0:
+            raise ValueError("prompt must contain at least one token")
+        if max_len > self.ecfg.max_model_len:
+            raise ValueError(
+                f"prompt ({len(seq.prompt_token_ids)} tokens) + max_tokens ({seq.params.max_tokens}) exceeds "
+                f"max_model_len ({self.ecfg.max_model_len})")
+        if self._blocks_needed(seq) > self.pools.blocks.capacity:
+            raise ValueError(f"request needs {self._blocks_needed(seq)} KV blocks; the pool has {self.pools.blocks.capacity}")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, seq: Sequence) -> int:
+        return -(-(len(seq.prompt_token_ids) + seq.params.max_tokens) // self.ecfg.block_size)
+
+    def _try_admit(self, seq: Sequence) -> bool:
+        need = self._blocks_needed(seq)
+        if len(self.running) >= self.ecfg.max_num_seqs or not self.pools.blocks.can_allocate(need) \
+                or not self.pools.slots.can_allocate(1):
+            return False
+        seq.block_ids = self.pools.blocks.allocate(need)
+        seq.state_slot = self.pools.allocate_slot()
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.ecfg.max_num_batched_tokens
+        decodes = [s for s in self.running if not s.in_prefill][:budget]
+        chunks = [ScheduledChunk(s, 1) for s in decodes]
+        budget -= len(chunks)
+        for s in self.running:
+            if budget == 0:
+                break
+            if s.in_prefill:
+                n = min(budget, len(s.prompt_token_ids) - s.num_computed)
+                chunks.append(ScheduledChunk(s, n))
+                budget -= n
+        while budget > 0 and self.waiting and self._try_admit(self.waiting[0]):
+            s = self.waiting.popleft()
+            n = min(budget, len(s.prompt_token_ids))
+            chunks.append(ScheduledChunk(s, n))
+            budget -= n
+        return chunks
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Frees everything the sequence holds; safe on every path (finished, aborted, waiting)."""
+        if seq.status == Status.FINISHED:
+            return
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+            self.pools.blocks.free(seq.block_ids)
+            self.pools.slots.free([seq.state_slot])
+            seq.block_ids, seq.state_slot = [], 0
+        else:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason

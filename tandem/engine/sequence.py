@@ -1,0 +1,41 @@
+"""One request's tokens and the cache resources it holds."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tandem.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV/state is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    state_slot: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_token_ids)

@@ -1,0 +1,74 @@
+"""Built-in model shapes with random weights: tiny ones for tests, the real Qwen3.5 shapes for benchmarks.
+
+Each preset is an HF-style config dict, so it goes through the same `ModelConfig.from_hf` as a checkpoint.
+Random weights are drawn directly on the target device (a large preset is ready on a GPU in seconds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.config import ModelConfig
+from tandem.model.loader import build_empty_model
+
+_COMMON = dict(
+    linear_conv_kernel_dim=4, rms_norm_eps=1e-6, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=16, full_attention_interval=4, max_position_embeddings=262144, mtp_num_hidden_layers=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25},
+    vocab_size=248320, hidden_act="silu", eos_token_id=248044,
+)
+_TINY = dict(
+    vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6, max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25},
+    hidden_act="silu", mtp_num_hidden_layers=1, eos_token_id=1, tie_word_embeddings=False,
+)
+
+PRESETS: dict[str, dict] = {
+    "tiny-dense": dict(_TINY, model_type="qwen3_5_text", intermediate_size=128),
+    "tiny-moe": dict(_TINY, model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "qwen3.5-0.8b": dict(_COMMON, model_type="qwen3_5_text", hidden_size=1024, num_hidden_layers=24,
+                         num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16,
+                         intermediate_size=3584, tie_word_embeddings=True),
+    "qwen3.5-9b": dict(_COMMON, model_type="qwen3_5_text", hidden_size=4096, num_hidden_layers=32,
+                       num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32,
+                       intermediate_size=12288, tie_word_embeddings=False),
+    "qwen3.5-27b": dict(_COMMON, model_type="qwen3_5_text", hidden_size=5120, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48,
+                        intermediate_size=17408, tie_word_embeddings=False),
+    "qwen3.5-35b-a3b": dict(_COMMON, model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32,
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, tie_word_embeddings=False),
+    "qwen3.5-397b-a17b": dict(_COMMON, model_type="qwen3_5_moe_text", hidden_size=4096, num_hidden_layers=60,
+                              num_attention_heads=32, num_key_value_heads=2, linear_num_value_heads=64,
+                              num_experts=512, num_experts_per_tok=10, moe_intermediate_size=1024,
+                              shared_expert_intermediate_size=1024, tie_word_embeddings=False),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return ModelConfig.from_hf(PRESETS[name])
+
+
+@torch.no_grad()
+def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0):
+    """Random weights with stable activations: N(0, 0.02) matrices, small norm offsets, sane GDN decay."""
+    model = build_empty_model(cfg, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.uniform_(0.0, 2.0, generator=gen)
+        elif name.endswith("dt_bias"):
+            p.fill_(1.0)
+        elif name.endswith("linear_attn.norm.weight"):
+            p.fill_(1.0)
+        elif p.ndim == 1:  # zero-centred norms: weight 0 means scale 1
+            p.normal_(0.0, 0.1, generator=gen)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    return model

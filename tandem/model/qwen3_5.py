@@ -1,0 +1,194 @@
+"""Qwen3.5 hybrid decoder over the packed batch.
+
+Layer i is Gated DeltaNet ("linear_attention") or gated full attention; every block is pre-norm:
+`h += mixer(norm1(h)); h += ffn(norm2(h))`. Parameter names mirror the Hugging Face checkpoint
+(`model.layers.{i}.linear_attn.in_proj_qkv`, ...), so the loader maps names one to one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.config import ModelConfig
+from tandem.model.batch import ForwardBatch
+from tandem.ops.attention import paged_attention, write_kv
+from tandem.ops.gdn import causal_conv1d, gated_delta_rule
+from tandem.ops.moe import fused_experts, route
+from tandem.ops.norm import gated_rms_norm, rms_norm_1p
+from tandem.ops.rope import apply_partial_rope, inv_frequencies
+
+
+class RMSNorm1p(nn.Module):
+    """Zero-centred RMSNorm: `rms(x) * (1 + w)`."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm_1p(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-value-head plain-weight RMSNorm followed by the SiLU gate: `w * rms(o) * silu(z)`."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, z):
+        return gated_rms_norm(x, z, self.weight, self.eps)
+
+
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nk, self.nv, self.dk, self.dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
+        self.in_proj_qkv = _linear(cfg.hidden_size, cfg.conv_dim)
+        self.in_proj_z = _linear(cfg.hidden_size, self.nv * self.dv)
+        self.in_proj_b = _linear(cfg.hidden_size, self.nv)
+        self.in_proj_a = _linear(cfg.hidden_size, self.nv)
+        # HF stores the depthwise conv as Conv1d weight [C, 1, K]; we keep that shape for loading.
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(cfg.conv_dim, 1, cfg.conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = _linear(self.nv * self.dv, cfg.hidden_size)
+
+    def forward(self, x, batch: ForwardBatch, conv_state, recurrent_state):
+        T = x.shape[0]
+        qkv = causal_conv1d(self.in_proj_qkv(x), conv_state, self.conv1d.weight[:, 0, :], batch)
+        q, k, v = qkv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        o = gated_delta_rule(
+            q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk), v.view(T, self.nv, self.dv),
+            g, beta, recurrent_state, batch,
+        )
+        o = self.norm(o, self.in_proj_z(x).view(T, self.nv, self.dv))
+        return self.out_proj(o.reshape(T, -1))
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # q_proj is interleaved per head: [query (hd) | gate (hd)] for each head
+        self.q_proj = _linear(cfg.hidden_size, self.nh * self.hd * 2)
+        self.k_proj = _linear(cfg.hidden_size, self.nkv * self.hd)
+        self.v_proj = _linear(cfg.hidden_size, self.nkv * self.hd)
+        self.o_proj = _linear(self.nh * self.hd, cfg.hidden_size)
+        self.q_norm = RMSNorm1p(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm1p(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, batch: ForwardBatch, inv_freq, k_cache, v_cache):
+        T = x.shape[0]
+        q, gate = self.q_proj(x).view(T, self.nh, 2 * self.hd).chunk(2, dim=-1)
+        q = apply_partial_rope(self.q_norm(q), batch.positions, inv_freq)
+        k = apply_partial_rope(self.k_norm(self.k_proj(x).view(T, self.nkv, self.hd)), batch.positions, inv_freq)
+        write_kv(k_cache, v_cache, batch.slot_mapping, k, self.v_proj(x).view(T, self.nkv, self.hd))
+        o = paged_attention(q, k_cache, v_cache, batch, self.hd**-0.5)
+        return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = _linear(hidden, inter), _linear(hidden, inter), _linear(inter, hidden)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, inter))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = _linear(cfg.hidden_size, 1)
+
+    def forward(self, x):
+        weights, experts = route(x, self.gate.weight, self.top_k, self.renormalize)
+        routed = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        self.is_attention = cfg.layer_types[idx] == "full_attention"
+        if self.is_attention:
+            self.self_attn = GatedAttention(cfg)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.moe_layers[idx] else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, batch: ForwardBatch, inv_freq, cache):
+        x = self.input_layernorm(h)
+        if self.is_attention:
+            h = h + self.self_attn(x, batch, inv_freq, *cache)
+        else:
+            h = h + self.linear_attn(x, batch, *cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Trunk(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Trunk(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+        self.register_buffer("inv_freq", inv_frequencies(cfg.rotary_dim, cfg.rope_theta), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch, caches) -> torch.Tensor:
+        """Returns the final post-norm hidden state of every token, [T, H]. `caches[i]` is layer i's
+        (k_cache, v_cache) or (conv_state, recurrent_state)."""
+        h = self.model.embed_tokens(batch.input_ids)
+        for layer, cache in zip(self.model.layers, caches):
+            h = layer(h, batch, self.inv_freq, cache)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
