@@ -44,10 +44,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Returns fp32 logits [len(chunks), vocab] at each chunk's last token and advances num_computed."""
+    def run(self, chunks: list[ScheduledChunk], all_rows: bool = False) -> torch.Tensor:
+        """Returns fp32 logits at each chunk's last token ([len(chunks), V]), or at every row ([T, V]) when
+        `all_rows`, and advances num_computed."""
         batch = self.build_batch(chunks)
         hidden = self.model(batch, self.pools.layer_caches)
         for c in chunks:
             c.seq.num_computed += c.num_tokens
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(hidden if all_rows else hidden[batch.logits_indices])

@@ -12,7 +12,7 @@ import torch
 from tandem.engine.sequence import Sequence
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     for i, s in enumerate(seqs):
         p = s.params
         if p.repetition_penalty != 1.0:
@@ -43,7 +43,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generators: dict[str, tor
     """logits: fp32 [B, V]. Returns (token ids [B], per-row logprob dicts)."""
     raw_logprobs = _logprobs(logits, seqs)
     logits = logits.clone()
-    _apply_penalties(logits, seqs)
+    apply_penalties(logits, seqs)
     for i, s in enumerate(seqs):
         if len(s.output_token_ids) < s.params.min_tokens:
             logits[i, s.params.stop_token_ids + ([] if s.params.ignore_eos else s.eos_ids)] = float("-inf")

@@ -1,0 +1,59 @@
+"""Allocator accounting: every block and slot comes back, however a request ends."""
+
+import torch
+
+from tandem.cache.allocator import CountingAllocator
+from tandem.config import EngineConfig
+from tandem.engine.llm import Engine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Status
+from tandem.model.presets import preset_config, random_model
+
+import pytest
+
+
+def engine(**kw):
+    cfg = preset_config("tiny-moe")
+    return Engine(cfg, random_model(cfg, "cpu", torch.float32), EngineConfig(block_size=4, max_model_len=64, **kw))
+
+
+def test_counts_return_to_zero_with_aborts_at_every_stage():
+    eng = engine(max_num_seqs=3, max_num_batched_tokens=8)
+    for i in range(7):
+        eng.add_request(f"r{i}", list(range(2, 2 + 5 + 3 * i)), SamplingParams(max_tokens=6, ignore_eos=True))
+    eng.step()  # r0 prefilled, r1 mid-prefill
+    assert eng.sequences["r1"].in_prefill and eng.sequences["r6"].status == Status.WAITING
+    eng.abort("r1")  # mid-prefill
+    eng.abort("r6")  # still waiting
+    for _ in range(3):
+        eng.step()
+    eng.abort("r0")  # decoding
+    eng.abort("missing")  # unknown ids are ignored
+    while eng.has_work():
+        eng.step()
+    assert eng.pools.blocks.num_used == 0 and eng.pools.slots.num_used == 0
+    assert not eng.sequences and not eng.generators
+
+
+def test_admission_waits_for_free_blocks():
+    # 9 usable blocks of 4 tokens: one 20-token request (5 blocks) at a time
+    eng = engine(max_num_seqs=4, num_kv_blocks=10)
+    for i in range(2):
+        eng.add_request(f"r{i}", list(range(2, 12)), SamplingParams(max_tokens=10, ignore_eos=True))
+    eng.step()
+    assert len(eng.scheduler.running) == 1 and len(eng.scheduler.waiting) == 1
+    done = []
+    while eng.has_work():
+        done += eng.step()
+    assert [s.request_id for s in done] == ["r0", "r1"] and all(len(s.output_token_ids) == 10 for s in done)
+    with pytest.raises(ValueError, match="KV blocks"):
+        eng.add_request("big", list(range(2, 40)), SamplingParams(max_tokens=20))
+
+
+def test_allocator_rejects_double_free():
+    a = CountingAllocator(4, "x")
+    ids = a.allocate(2)
+    a.free(ids)
+    with pytest.raises(ValueError):
+        a.free(ids[:1])
+    assert a.num_used == 0 and a.num_free == 3
