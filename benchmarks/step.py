@@ -2,8 +2,8 @@
 
     python benchmarks/step.py --model tiny-moe --batch-sizes 1,8,32
 
-The floor counts, per decode step: every dense weight and the lm_head once, the routed experts the batch can
-touch (min(E, B * top_k) per MoE layer), the KV read of every attention layer and the GDN recurrent state read and
+The floor counts, per decode step: every dense weight and the lm_head once, the routed experts the batch is
+expected to touch under uniform routing (E * (1 - (1 - top_k/E)^B) per MoE layer), the KV read of every attention layer and the GDN recurrent state read and
 written once per request. On a CPU the "bandwidth" is a nominal figure (--bandwidth-gbs) so the ratio is only
 indicative; on the H200 use 4250 GB/s.
 """
@@ -29,7 +29,7 @@ def step_bytes(cfg, model, batch: int, context: int, dtype_bytes: int) -> float:
     if cfg.tie_word_embeddings:
         total += cfg.vocab_size * cfg.hidden_size * dtype_bytes
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes
-    touched = min(cfg.num_experts, batch * cfg.num_experts_per_tok)
+    touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch) if cfg.num_experts else 0
     total += sum(cfg.moe_layers) * touched * expert
     # embeddings: only B rows are read, not the table
     total -= cfg.vocab_size * cfg.hidden_size * dtype_bytes - batch * cfg.hidden_size * dtype_bytes
