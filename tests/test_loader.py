@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tandem.config import ModelConfig
+from tandem.model.mtp import MTPHead
 from tandem.model.loader import CheckpointError, load_checkpoint
 
 
@@ -38,6 +39,9 @@ def clone_dir(src, dst, tensors, shards=1):
     return dst
 
 
+MTP_TENSORS: dict[str, torch.Tensor] = {}
+
+
 def to_official_layout(tensors, cfg: ModelConfig):
     """Fused 3-D experts, `model.language_model.` prefix, plus vision and MTP tensors."""
     out, per_expert = {}, {}
@@ -54,8 +58,9 @@ def to_official_layout(tensors, cfg: ModelConfig):
         out[f"model.language_model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(
             [per_expert[(layer, e, "down_proj")] for e in range(E)])
     out["model.visual.patch_embed.proj.weight"] = torch.randn(4, 3)
-    out["mtp.fc.weight"] = torch.randn(cfg.hidden_size, 2 * cfg.hidden_size)
-    out["mtp.norm.weight"] = torch.randn(cfg.hidden_size)
+    torch.manual_seed(5)
+    MTP_TENSORS.update({f"mtp.{k}": torch.randn_like(v) for k, v in MTPHead(cfg).state_dict().items()})
+    out.update(MTP_TENSORS)
     return out
 
 
@@ -66,22 +71,23 @@ def params(model):
 def test_official_fused_layout_equals_save_pretrained(hf_checkpoints, tmp_path):
     _, path = hf_checkpoints["moe"]
     cfg = ModelConfig.from_dir(path)
-    hf_model, _ = load_checkpoint(path, cfg, "cpu", torch.float32, progress=False)
+    hf_model = load_checkpoint(path, cfg, "cpu", torch.float32, progress=False)
     official = clone_dir(path, tmp_path / "official", to_official_layout(read_all(path), cfg))
-    off_model, mtp = load_checkpoint(str(official), cfg, "cpu", torch.float32, progress=False)
+    off_model = load_checkpoint(str(official), cfg, "cpu", torch.float32, progress=False)
     a, b = params(hf_model), params(off_model)
-    assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert set(mtp) == {"mtp.fc.weight", "mtp.norm.weight"}
+    mtp = {k: v for k, v in b.items() if k.startswith("mtp.")}
+    assert mtp.keys() == MTP_TENSORS.keys()
+    assert all(torch.equal(mtp[k], MTP_TENSORS[k]) for k in mtp)
 
 
 def test_sharded_checkpoint_loads(hf_checkpoints, tmp_path):
     _, path = hf_checkpoints["next"]
     cfg = ModelConfig.from_dir(path)
-    single, _ = load_checkpoint(path, cfg, "cpu", torch.float32, progress=False)
+    single = load_checkpoint(path, cfg, "cpu", torch.float32, progress=False)
     sharded_dir = clone_dir(path, tmp_path / "sharded", read_all(path), shards=3)
-    sharded, _ = load_checkpoint(str(sharded_dir), cfg, "cpu", torch.float32, progress=False)
+    sharded = load_checkpoint(str(sharded_dir), cfg, "cpu", torch.float32, progress=False)
     a, b = params(single), params(sharded)
     assert all(torch.equal(a[k], b[k]) for k in a)
 

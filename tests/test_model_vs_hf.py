@@ -20,7 +20,7 @@ def hf_logits(hf, ids):
 
 def make_engine(path, **kw):
     cfg = ModelConfig.from_dir(path)
-    model, _ = load_checkpoint(path, cfg, "cpu", torch.float32, progress=False)
+    model = load_checkpoint(path, cfg, "cpu", torch.float32, progress=False)
     return Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=8, max_model_len=128, **kw))
 
 

@@ -1,6 +1,7 @@
 """Device memory for the caches: a paged KV pool per full-attention layer and a GDN state slot pool per GDN layer.
 
-- KV: K and V each `[num_blocks, block_size, kv_heads, head_dim]`; block 0 is the null block.
+- KV: K and V each `[num_blocks, block_size, kv_heads, head_dim]`; block 0 is the null block. The MTP layer, when
+  the model has one, gets its own pair (`mtp_cache`) indexed by the same block tables.
 - GDN: conv state `[slots, conv_dim, K-1]` in the model dtype and recurrent state `[slots, nv, dk, dv]` in the
   config's ssm dtype (fp32 for Qwen3.5); slot 0 is the null slot. A slot is zeroed when handed out, so a new
   request always starts from the empty state.
@@ -15,7 +16,7 @@ from tandem.config import EngineConfig, ModelConfig
 
 
 class CachePools:
-    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig):
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool = False):
         dev, dt = ecfg.device, ecfg.dtype
         self.block_size = ecfg.block_size
         self.blocks = CountingAllocator(ecfg.num_kv_blocks, "kv blocks")
@@ -31,6 +32,8 @@ class CachePools:
             else:
                 pair = (torch.zeros(conv_shape, dtype=dt, device=dev), torch.zeros(rec_shape, dtype=ssm_dtype, device=dev))
             self.layer_caches.append(pair)
+        self.mtp_cache = (torch.zeros(kv_shape, dtype=dt, device=dev),
+                          torch.zeros(kv_shape, dtype=dt, device=dev)) if with_mtp else None
         self._gdn = [c for c, t in zip(self.layer_caches, cfg.layer_types) if t == "linear_attention"]
 
     def allocate_slot(self) -> int:

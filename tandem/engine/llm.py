@@ -24,7 +24,7 @@ def load_model(model: str, device: str, dtype: torch.dtype, seed: int = 0):
     """A directory with a checkpoint, or a preset name (random weights). Returns (cfg, model, model_dir)."""
     if os.path.isdir(model):
         cfg = ModelConfig.from_dir(model)
-        net, _mtp = load_checkpoint(model, cfg, device, dtype)
+        net = load_checkpoint(model, cfg, device, dtype)
         return cfg, net, model
     if model in PRESETS:
         cfg = preset_config(model)
@@ -37,7 +37,7 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, model, ecfg: EngineConfig):
         self.cfg, self.ecfg = cfg, ecfg
-        self.pools = CachePools(cfg, ecfg)
+        self.pools = CachePools(cfg, ecfg, with_mtp=hasattr(model, "mtp"))
         self.scheduler = Scheduler(ecfg, self.pools)
         self.runner = ModelRunner(model, self.pools, ecfg)
         self.generators: dict[str, torch.Generator] = {}

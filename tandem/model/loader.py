@@ -2,8 +2,8 @@
 
 Accepts single-file and sharded (`model.safetensors.index.json`) checkpoints; HF names with or without the
 `model.language_model.` prefix (`model.visual.*` ignored); experts fused (3-D) or per expert; Qwen3-Next's
-interleaved `in_proj_qkvz` / `in_proj_ba` (converted to the 3.5 split layout); `mtp.*` kept aside for the MTP
-head. Each tensor goes straight to the device and dtype; nothing is staged in a second full CPU copy.
+interleaved `in_proj_qkvz` / `in_proj_ba` (converted to the 3.5 split layout); `mtp.*` into the MTP head
+(`model.mtp`, present when the checkpoint has those tensors). Each tensor goes straight to the device and dtype; nothing is staged in a second full CPU copy.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_empty_model(cfg: ModelConfig, device: str, dtype: torch.dtype) -> Qwen3_5ForCausalLM:
+def build_empty_model(cfg: ModelConfig, device: str, dtype: torch.dtype, with_mtp: bool = False) -> Qwen3_5ForCausalLM:
     """Allocates (uninitialised) parameters directly on `device` in `dtype`; inv_freq stays fp32."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = Qwen3_5ForCausalLM(cfg)
+        model = Qwen3_5ForCausalLM(cfg, with_mtp)
     model.to_empty(device=device)
     model.inv_freq = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, device=device)
     return model.eval().requires_grad_(False)
@@ -56,7 +56,7 @@ def _checkpoint_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _canonical(name: str) -> str | None:
@@ -77,7 +77,6 @@ class _Writer:
         self.loaded: set[str] = set()
         self.partial: dict[str, set] = {}  # fused params assembled from pieces
         self.problems: list[str] = []
-        self.mtp: dict[str, torch.Tensor] = {}
 
     def _copy(self, name: str, t: torch.Tensor, index=None):
         p = self.params.get(name)
@@ -97,9 +96,6 @@ class _Writer:
         if name is None:
             return
         device, dtype = self.model.inv_freq.device, self.model.model.embed_tokens.weight.dtype
-        if name.startswith("mtp."):
-            self.mtp[name] = read().to(device, dtype)
-            return
         m = _PER_EXPERT.match(name)
         if m:
             self._add_expert(m.group(1), int(m.group(2)), m.group(3), read().to(device, dtype))
@@ -151,15 +147,25 @@ class _Writer:
             raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(self.problems))
 
 
+def _has_mtp_tensors(files: list[str]) -> bool:
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            if any(k.startswith("mtp.") for k in f.keys()):
+                return True
+    return False
+
+
 def load_checkpoint(path: str, cfg: ModelConfig, device: str, dtype: torch.dtype, progress: bool = True):
-    """Returns (model, mtp_weights) with every trunk tensor loaded from the checkpoint in `path`."""
-    model = build_empty_model(cfg, device, dtype)
-    writer = _Writer(model)
+    """Returns the model with every tensor loaded from the checkpoint in `path`; it has an MTP head (`.mtp`)
+    when the config declares one and the checkpoint holds its `mtp.*` weights."""
     files = _checkpoint_files(path)
+    with_mtp = cfg.num_mtp_layers > 0 and _has_mtp_tensors(files)
+    model = build_empty_model(cfg, device, dtype, with_mtp)
+    writer = _Writer(model)
     with torch.no_grad():
         for file in tqdm(files, desc="loading shards", disable=not progress or len(files) < 2):
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in f.keys():
                     writer.add(name, lambda n=name: f.get_tensor(n))
     writer.finish()
-    return model, writer.mtp
+    return model

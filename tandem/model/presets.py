@@ -58,7 +58,7 @@ def preset_config(name: str) -> ModelConfig:
 @torch.no_grad()
 def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0):
     """Random weights with stable activations: N(0, 0.02) matrices, small norm offsets, sane GDN decay."""
-    model = build_empty_model(cfg, device, dtype)
+    model = build_empty_model(cfg, device, dtype, with_mtp=cfg.num_mtp_layers > 0)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):

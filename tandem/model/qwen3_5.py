@@ -141,14 +141,14 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int):
+    def __init__(self, cfg: ModelConfig, is_attention: bool, is_moe: bool):
         super().__init__()
-        self.is_attention = cfg.layer_types[idx] == "full_attention"
-        if self.is_attention:
+        self.is_attention = is_attention
+        if is_attention:
             self.self_attn = GatedAttention(cfg)
         else:
             self.linear_attn = GatedDeltaNet(cfg)
-        self.mlp = SparseMoE(cfg) if cfg.moe_layers[idx] else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = SparseMoE(cfg) if is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -165,17 +165,22 @@ class Trunk(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, t == "full_attention", moe) for t, moe in zip(cfg.layer_types, cfg.moe_layers))
         self.norm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
         super().__init__()
         self.cfg = cfg
         self.model = Trunk(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+        if with_mtp:
+            from tandem.model.mtp import MTPHead  # mtp.py builds on this module's layers
+
+            self.mtp = MTPHead(cfg)
         self.register_buffer("inv_freq", inv_frequencies(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
     @property

@@ -1,0 +1,75 @@
+"""The MTP head over the paged cache against an independent reference: HF's full-attention decoder layer (the
+MTP layer is one) with the fc / norm glue written here from the equations, recomputed over the whole sequence
+with no cache, including the k > 1 recursion on the head's own output hidden."""
+
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+from transformers import Qwen3_5MoeTextConfig
+
+from tandem.config import EngineConfig
+from tandem.engine.llm import Engine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import ScheduledChunk
+from tandem.engine.sequence import Sequence
+from tandem.model.presets import PRESETS, preset_config, random_model
+
+
+def rms1p(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+
+
+def reference_mtp(model, hf_layer, rotary, next_ids, hiddens):
+    """All positions 0..n-1 at once: inputs (embed(next_ids[i]), hiddens[i]) at position i."""
+    m = model.mtp
+    e = model.model.embed_tokens(next_ids)
+    u = F.linear(torch.cat([rms1p(e, m.pre_fc_norm_embedding.weight), rms1p(hiddens, m.pre_fc_norm_hidden.weight)], -1),
+                 m.fc.weight)[None]
+    pos = torch.arange(len(next_ids))[None]
+    out = hf_layer(u, position_embeddings=rotary(u, pos), attention_mask=None, position_ids=pos)
+    out = out[0] if isinstance(out, tuple) else out
+    return rms1p(out[0], m.norm.weight)
+
+
+def test_mtp_head_and_recursion_match_reference():
+    cfg = preset_config("tiny-moe")
+    model = random_model(cfg, "cpu", torch.float32, seed=3)
+    eng = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64))
+    hf_cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in PRESETS["tiny-moe"].items() if k != "model_type"})
+    hf_cfg._attn_implementation = "sdpa"
+    attn_idx = cfg.attention_layers[0]
+    hf_layer = hf_moe.Qwen3_5MoeDecoderLayer(hf_cfg, attn_idx).eval()
+    hf_layer.load_state_dict(model.mtp.layers[0].state_dict())
+    rotary = hf_moe.Qwen3_5MoeTextRotaryEmbedding(hf_cfg)
+
+    prompt = torch.randint(2, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(0)).tolist()
+    target = Sequence("t", prompt, SamplingParams(max_tokens=8))
+    eng.scheduler.add(target)
+    assert eng.scheduler._try_admit(eng.scheduler.waiting.popleft())
+    batch = eng.runner.build_batch([ScheduledChunk(target, len(prompt))])
+    with torch.no_grad():
+        h = model(batch, eng.pools.layer_caches)
+        t_next = int(model.compute_logits(h[-1:]).argmax())
+        # the MTP inputs at positions 0..N-1 are the tokens shifted by one: x_1 .. x_{N-1}, t_N
+        mtp_seq = Sequence("m", prompt[1:] + [t_next], SamplingParams(max_tokens=8), block_ids=target.block_ids)
+        hiddens, next_ids, drafts, ours = list(h), prompt[1:] + [t_next], [], []
+        step_hidden = h
+        for step in range(3):  # k = 3: the first draft, then two recursion steps on the head's own output
+            n = len(prompt) if step == 0 else 1
+            b = eng.runner.build_batch([ScheduledChunk(mtp_seq, n)])
+            out = model.mtp(model.model.embed_tokens(b.input_ids), step_hidden, b, model.inv_freq, eng.pools.mtp_cache)
+            mtp_seq.num_computed += n
+            ours.append(out)
+            d = int(model.compute_logits(out[-1:]).argmax())
+            drafts.append(d)
+            mtp_seq.prompt_token_ids.append(d)
+            step_hidden = out[-1:]
+        ref_all = None
+        for step in range(3):
+            ref_all = reference_mtp(model, hf_layer, rotary, torch.tensor(next_ids), torch.stack(hiddens))
+            hiddens.append(ref_all[-1])
+            next_ids.append(drafts[step])
+        # ref_all covers positions 0..N+1: the first N rows are step 0, then one row per recursion step
+        assert (torch.cat(ours) - ref_all[: len(prompt) + 2]).abs().max() <= 1e-5
+        ref_drafts = [int(model.compute_logits(ref_all[len(prompt) - 1 + i : len(prompt) + i]).argmax()) for i in range(3)]
+        assert drafts == ref_drafts
