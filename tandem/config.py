@@ -212,7 +212,8 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048  # the chunked-prefill token budget of one step
     num_kv_blocks: int | None = None  # None: enough for max_num_seqs full-length sequences
-    num_state_slots: int | None = None  # None: max_num_seqs
+    num_state_slots: int | None = None  # None: max_num_seqs * (1 + num_speculative_tokens)
+    num_speculative_tokens: int = 0  # MTP drafts verified per decode step (0: no speculation)
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
 
@@ -225,5 +226,7 @@ class EngineConfig:
         if self.num_kv_blocks is None:
             per_seq = -(-self.max_model_len // self.block_size)
             self.num_kv_blocks = self.max_num_seqs * per_seq + 1  # + the null block
+        if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 4:
+            raise ConfigError(f"num_speculative_tokens: must be 0..4, got {self.num_speculative_tokens!r}")
         if self.num_state_slots is None:
-            self.num_state_slots = self.max_num_seqs
+            self.num_state_slots = self.max_num_seqs * (1 + self.num_speculative_tokens)

@@ -51,7 +51,8 @@ def test_mtp_head_and_recursion_match_reference():
         h = model(batch, eng.pools.layer_caches)
         t_next = int(model.compute_logits(h[-1:]).argmax())
         # the MTP inputs at positions 0..N-1 are the tokens shifted by one: x_1 .. x_{N-1}, t_N
-        mtp_seq = Sequence("m", prompt[1:] + [t_next], SamplingParams(max_tokens=8), block_ids=target.block_ids)
+        mtp_seq = Sequence("m", prompt[1:] + [t_next], SamplingParams(max_tokens=8), block_ids=target.block_ids,
+                           state_slots=target.state_slots)
         hiddens, next_ids, drafts, ours = list(h), prompt[1:] + [t_next], [], []
         step_hidden = h
         for step in range(3):  # k = 3: the first draft, then two recursion steps on the head's own output

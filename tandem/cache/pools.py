@@ -36,9 +36,9 @@ class CachePools:
                           torch.zeros(kv_shape, dtype=dt, device=dev)) if with_mtp else None
         self._gdn = [c for c, t in zip(self.layer_caches, cfg.layer_types) if t == "linear_attention"]
 
-    def allocate_slot(self) -> int:
-        slot = self.slots.allocate(1)[0]
+    def allocate_slots(self, n: int) -> list[int]:
+        slots = self.slots.allocate(n)
         for conv, rec in self._gdn:
-            conv[slot].zero_()
-            rec[slot].zero_()
-        return slot
+            conv[slots] = 0
+            rec[slots] = 0
+        return slots

@@ -19,7 +19,7 @@ class ModelRunner:
         dev, bs = self.ecfg.device, self.ecfg.block_size
         lens = [c.num_tokens for c in chunks]
         starts = [c.seq.num_computed for c in chunks]
-        ids = [t for c, s, n in zip(chunks, starts, lens) for t in c.seq.token_ids[s : s + n]]
+        ids = [t for c, s, n in zip(chunks, starts, lens) for t in (c.seq.token_ids + c.seq.drafts)[s : s + n]]
         qsl = torch.tensor([0] + lens).cumsum(0)
         seq_lens = torch.tensor(starts) + torch.tensor(lens)
         # positions: start of each request plus the offset of each row inside its chunk
@@ -37,7 +37,8 @@ class ModelRunner:
             seq_lens=seq_lens.to(torch.int32).to(dev),
             block_tables=tables.to(dev),
             slot_mapping=slot_mapping.to(dev),
-            state_slots=torch.tensor([c.seq.state_slot for c in chunks], dtype=torch.long, device=dev),
+            state_slots=torch.tensor([c.seq.state_slots[c.seq.read_slot_index] for c in chunks], device=dev),
+            state_write_slots=torch.tensor([c.seq.state_slots for c in chunks], device=dev),
             logits_indices=(qsl[1:] - 1).to(dev),
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),

@@ -1,6 +1,7 @@
 """Continuous batching with chunked prefill.
 
-Each step: every running request past its prompt decodes one token (decode rows first), then prompt chunks fill
+Each step: every running request past its prompt decodes (one token, or its last token plus its k MTP drafts to
+verify; decode rows first), then prompt chunks fill
 the rest of the token budget, oldest first. A request is admitted only when `max_num_seqs` allows and its KV
 blocks (for its whole possible length, so it never needs preemption) and a GDN state slot are free.
 """
@@ -30,9 +31,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         max_len = len(seq.prompt_token_ids) + seq.params.max_tokens
+        spec = self.ecfg.num_speculative_tokens
         if len(seq.prompt_token_ids) == 0:
             raise ValueError("prompt must contain at least one token")
-        if max_len > self.ecfg.max_model_len:
+        if max_len + spec > self.ecfg.max_model_len:
             raise ValueError(
                 f"prompt ({len(seq.prompt_token_ids)} tokens) + max_tokens ({seq.params.max_tokens}) exceeds "
                 f"max_model_len ({self.ecfg.max_model_len})")
@@ -44,24 +46,29 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _blocks_needed(self, seq: Sequence) -> int:
-        return -(-(len(seq.prompt_token_ids) + seq.params.max_tokens) // self.ecfg.block_size)
+        # a verify step writes KV for up to k positions beyond the last accepted token
+        tokens = len(seq.prompt_token_ids) + seq.params.max_tokens + self.ecfg.num_speculative_tokens
+        return -(-tokens // self.ecfg.block_size)
 
     def _try_admit(self, seq: Sequence) -> bool:
-        need = self._blocks_needed(seq)
+        need, n_slots = self._blocks_needed(seq), 1 + self.ecfg.num_speculative_tokens
         if len(self.running) >= self.ecfg.max_num_seqs or not self.pools.blocks.can_allocate(need) \
-                or not self.pools.slots.can_allocate(1):
+                or not self.pools.slots.can_allocate(n_slots):
             return False
         seq.block_ids = self.pools.blocks.allocate(need)
-        seq.state_slot = self.pools.allocate_slot()
+        seq.state_slots = self.pools.allocate_slots(n_slots)
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.ecfg.max_num_batched_tokens
-        decodes = [s for s in self.running if not s.in_prefill][:budget]
-        chunks = [ScheduledChunk(s, 1) for s in decodes]
-        budget -= len(chunks)
+        chunks = []
+        for s in self.running:
+            n = 1 + len(s.drafts)
+            if not s.in_prefill and n <= budget:
+                chunks.append(ScheduledChunk(s, n))
+                budget -= n
         for s in self.running:
             if budget == 0:
                 break
@@ -83,8 +90,8 @@ class Scheduler:
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
             self.pools.blocks.free(seq.block_ids)
-            self.pools.slots.free([seq.state_slot])
-            seq.block_ids, seq.state_slot = [], 0
+            self.pools.slots.free(seq.state_slots)
+            seq.block_ids, seq.state_slots = [], []
         else:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason

@@ -24,7 +24,11 @@ class Sequence:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV/state is in the cache
     block_ids: list[int] = field(default_factory=list)
-    state_slot: int = 0
+    # GDN state slots: 1 without speculation, 1 + k with; the state after row j of a step lands in
+    # state_slots[min(j, k)], and the next step reads state_slots[read_slot_index].
+    state_slots: list[int] = field(default_factory=list)
+    read_slot_index: int = 0
+    drafts: list[int] = field(default_factory=list)  # MTP drafts to verify in the next step
     status: Status = Status.WAITING
     finish_reason: str | None = None
 

@@ -19,7 +19,8 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks] int32, 0 = null block
     slot_mapping: torch.Tensor  # [T] int64, flat KV slot (block * block_size + offset) of each token
-    state_slots: torch.Tensor  # [B] int64, GDN state slot of each request
+    state_slots: torch.Tensor  # [B] int64, GDN state slot each request starts from
+    state_write_slots: torch.Tensor  # [B, W] int64: the state after row j goes to column min(j, W-1)
     logits_indices: torch.Tensor  # [B] int64, rows whose logits are wanted (each request's last token)
     # Host copies for the torch reference ops, which walk requests one by one.
     query_start_loc_cpu: list[int]
