@@ -9,7 +9,9 @@ import sys
 def _generate(args) -> int:
     from tandem import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    spec = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens} if args.num_speculative_tokens else None
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              speculative_config=spec)
     if args.prompt_token_ids:
         prompt = {"prompt_token_ids": [int(t) for t in args.prompt_token_ids.split(",")]}
     else:
@@ -21,6 +23,10 @@ def _generate(args) -> int:
     if out.text is not None:
         print("text:", out.text)
     print("finish reason:", out.finish_reason)
+    st = llm.engine.spec_stats
+    if st.num_drafts:
+        print(f"speculation: k={st.k} acceptance rate {st.acceptance_rate:.2f}, acceptance length "
+              f"{st.acceptance_length:.2f}, accepted per position {st.accepted_per_position}")
     return 0
 
 
@@ -40,6 +46,7 @@ def main(argv=None) -> int:
     g.add_argument("--dtype", default="float32")
     g.add_argument("--device", default=None)
     g.add_argument("--max-model-len", type=int, default=4096)
+    g.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP drafts per step (0: off)")
     g.set_defaults(fn=_generate)
     args = ap.parse_args(argv)
     try:

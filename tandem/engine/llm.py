@@ -14,6 +14,7 @@ from tandem.engine.runner import ModelRunner
 from tandem.engine.sampler import sample
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.spec import SpecStats, draft
 from tandem.engine.sequence import Sequence, Status
 from tandem.model.loader import load_checkpoint
 from tandem.model.presets import PRESETS, preset_config, random_model
@@ -32,12 +33,27 @@ def load_model(model: str, device: str, dtype: torch.dtype, seed: int = 0):
     raise ValueError(f"model {model!r} is neither a directory nor a preset ({sorted(PRESETS)})")
 
 
+def parse_speculative_config(spec: dict | None) -> int:
+    """vLLM's `speculative_config={"method": "mtp", "num_speculative_tokens": k}` -> k (0 when None)."""
+    if not spec:
+        return 0
+    unknown = set(spec) - {"method", "num_speculative_tokens"}
+    if unknown:
+        raise ValueError(f"speculative_config: unsupported keys {sorted(unknown)}")
+    if spec.get("method", "mtp") != "mtp":
+        raise ValueError(f"speculative_config.method: only 'mtp' is supported, got {spec.get('method')!r}")
+    return spec.get("num_speculative_tokens", 1)
+
+
 class Engine:
     """Owns the model, the cache pools, the scheduler and the runner; `step()` runs one batched forward."""
 
     def __init__(self, cfg: ModelConfig, model, ecfg: EngineConfig):
         self.cfg, self.ecfg = cfg, ecfg
+        if ecfg.num_speculative_tokens and not hasattr(model, "mtp"):
+            raise ValueError("speculative decoding with MTP needs a model with an MTP head (mtp.* weights)")
         self.pools = CachePools(cfg, ecfg, with_mtp=hasattr(model, "mtp"))
+        self.spec_stats = SpecStats(ecfg.num_speculative_tokens)
         self.scheduler = Scheduler(ecfg, self.pools)
         self.runner = ModelRunner(model, self.pools, ecfg)
         self.generators: dict[str, torch.Generator] = {}
@@ -73,6 +89,8 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        if self.ecfg.num_speculative_tokens:
+            return self._speculative_step(chunks)
         logits = self.runner.run(chunks)
         # only rows that reached the end of their known tokens produce a token
         rows = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
@@ -80,15 +98,66 @@ class Engine:
             return []
         seqs = [chunks[i].seq for i in rows]
         tokens, logprobs = sample(logits[rows], seqs, self.generators)
-        finished = []
-        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs):
-            seq.output_token_ids.append(tok)
-            if lp is not None:
-                seq.output_logprobs.append(lp)
-            reason = self._stop_reason(seq, tok)
-            if reason:
-                self._finish(seq, reason)
+        return [s for s, tok, lp in zip(seqs, tokens.tolist(), logprobs) if self._emit(s, tok, lp)]
+
+    def _emit(self, seq: Sequence, tok: int, logprob) -> bool:
+        """Appends a token; finishes the sequence (and returns True) when a stop rule fires."""
+        seq.output_token_ids.append(tok)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        reason = self._stop_reason(seq, tok)
+        if reason:
+            self._finish(seq, reason)
+        return reason is not None
+
+    def _speculative_step(self, chunks) -> list[Sequence]:
+        k = self.ecfg.num_speculative_tokens
+        model = self.runner.model
+        was_prefill = [c.seq.in_prefill for c in chunks]
+        batch, hidden = self.runner.forward(chunks)
+        qsl = batch.query_start_loc_cpu
+        finished, items, rows = [], [], []
+        for i, c in enumerate(chunks):
+            seq, start, n = c.seq, qsl[i], c.num_tokens
+            first_pos = seq.num_computed - n
+            if was_prefill[i]:
+                seq.read_slot_index = min(n, k + 1) - 1
+                known = seq.token_ids[first_pos + 1 : first_pos + n + 1]
+                if not seq.in_prefill:  # the prompt is complete: its last row samples the first token
+                    tok, lp = sample(model.compute_logits(hidden[start + n - 1 : start + n]), [seq], self.generators)
+                    if self._emit(seq, int(tok[0]), lp[0]):
+                        finished.append(seq)
+                        continue
+                    known = known + seq.output_token_ids[-1:]
+                items.append((seq, first_pos, known))
+                rows.extend(range(start, start + n))
+                continue
+            # verify [last, d_1..d_k]: sample each row in order, keep drafts while they agree
+            logits = model.compute_logits(hidden[start : start + n])
+            drafts, seq.drafts = seq.drafts, []
+            accepted, stopped = 0, False
+            for j in range(n):
+                tok, lp = sample(logits[j : j + 1], [seq], self.generators)
+                tok = int(tok[0])
+                if self._emit(seq, tok, lp[0]):
+                    stopped = True
+                    break
+                if j < len(drafts) and tok == drafts[j]:
+                    accepted += 1
+                else:
+                    break
+            self.spec_stats.record(len(drafts), accepted)
+            if stopped:
                 finished.append(seq)
+                continue
+            seq.num_computed = first_pos + accepted + 1  # rejected rows are rewound (their KV is overwritten later)
+            seq.read_slot_index = accepted
+            items.append((seq, first_pos, drafts[:accepted] + seq.output_token_ids[-1:]))
+            rows.extend(range(start, start + accepted + 1))
+        if items:
+            drafting = [not seq.in_prefill for seq, _, _ in items]
+            for (seq, _, _), d in zip(items, draft(model, self.runner, self.pools, items, hidden[rows], drafting, k)):
+                seq.drafts = d
         return finished
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
@@ -122,10 +191,11 @@ class LLM:
 
     def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str | None = None,
                  max_num_seqs: int = 64, max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
-                 block_size: int = 16, seed: int = 0):
+                 block_size: int = 16, seed: int = 0, speculative_config: dict | None = None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         ecfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                            max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device)
+                            max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
+                            num_speculative_tokens=parse_speculative_config(speculative_config))
         cfg, net, model_dir = load_model(model, device, ecfg.dtype, seed)
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = Engine(cfg, net, ecfg)

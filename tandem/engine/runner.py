@@ -7,6 +7,7 @@ import torch
 from tandem.cache.pools import CachePools
 from tandem.config import EngineConfig
 from tandem.engine.scheduler import ScheduledChunk
+from tandem.engine.sequence import Sequence
 from tandem.model.batch import ForwardBatch
 from tandem.model.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -16,40 +17,53 @@ class ModelRunner:
         self.model, self.pools, self.ecfg = model, pools, ecfg
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        """The rows each chunk processes: its unprocessed tokens (plus its drafts when verifying)."""
+        return self.rows_batch([(c.seq, c.seq.num_computed,
+                                 (c.seq.token_ids + c.seq.drafts)[c.seq.num_computed : c.seq.num_computed + c.num_tokens])
+                                for c in chunks])
+
+    def rows_batch(self, items: list[tuple[Sequence, int, list[int]]]) -> ForwardBatch:
+        """A batch of (sequence, first position, token ids) triples; the rows of each sit at consecutive positions."""
         dev, bs = self.ecfg.device, self.ecfg.block_size
-        lens = [c.num_tokens for c in chunks]
-        starts = [c.seq.num_computed for c in chunks]
-        ids = [t for c, s, n in zip(chunks, starts, lens) for t in (c.seq.token_ids + c.seq.drafts)[s : s + n]]
+        lens = [len(toks) for _, _, toks in items]
+        starts = torch.tensor([p for _, p, _ in items])
         qsl = torch.tensor([0] + lens).cumsum(0)
-        seq_lens = torch.tensor(starts) + torch.tensor(lens)
+        seq_lens = starts + torch.tensor(lens)
         # positions: start of each request plus the offset of each row inside its chunk
-        row_req = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lens))
-        positions = torch.tensor(starts)[row_req] + torch.arange(qsl[-1].item()) - qsl[:-1][row_req]
-        width = max(len(c.seq.block_ids) for c in chunks)
-        tables = torch.zeros(len(chunks), width, dtype=torch.int32)
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.seq.block_ids)] = torch.tensor(c.seq.block_ids, dtype=torch.int32)
+        row_req = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(lens))
+        positions = starts[row_req] + torch.arange(int(qsl[-1])) - qsl[:-1][row_req]
+        width = max(len(seq.block_ids) for seq, _, _ in items)
+        tables = torch.zeros(len(items), width, dtype=torch.int32)
+        for i, (seq, _, _) in enumerate(items):
+            tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
         slot_mapping = tables[row_req, positions // bs].long() * bs + positions % bs
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            input_ids=torch.tensor([t for _, _, toks in items for t in toks], dtype=torch.long, device=dev),
             positions=positions.to(dev),
             query_start_loc=qsl.to(torch.int32).to(dev),
             seq_lens=seq_lens.to(torch.int32).to(dev),
             block_tables=tables.to(dev),
             slot_mapping=slot_mapping.to(dev),
-            state_slots=torch.tensor([c.seq.state_slots[c.seq.read_slot_index] for c in chunks], device=dev),
-            state_write_slots=torch.tensor([c.seq.state_slots for c in chunks], device=dev),
+            state_slots=torch.tensor([seq.state_slots[seq.read_slot_index] for seq, _, _ in items], device=dev),
+            state_write_slots=torch.tensor([seq.state_slots for seq, _, _ in items], device=dev),
             logits_indices=(qsl[1:] - 1).to(dev),
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], all_rows: bool = False) -> torch.Tensor:
-        """Returns fp32 logits at each chunk's last token ([len(chunks), V]), or at every row ([T, V]) when
-        `all_rows`, and advances num_computed."""
+    def forward(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, torch.Tensor]:
+        """Runs the target over the chunks; returns the batch and the final hidden state of every row [T, H].
+        Advances num_computed by each chunk's length (a verify step then rewinds the rejected rows)."""
         batch = self.build_batch(chunks)
         hidden = self.model(batch, self.pools.layer_caches)
         for c in chunks:
             c.seq.num_computed += c.num_tokens
+        return batch, hidden
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk], all_rows: bool = False) -> torch.Tensor:
+        """Returns fp32 logits at each chunk's last token ([len(chunks), V]), or at every row ([T, V]) when
+        `all_rows`, and advances num_computed."""
+        batch, hidden = self.forward(chunks)
         return self.model.compute_logits(hidden if all_rows else hidden[batch.logits_indices])

@@ -1,0 +1,72 @@
+"""MTP speculative decoding: verification of `[last, d_1..d_k]` and drafting with the MTP head.
+
+Verification samples the target's token at each verify row in order and accepts the draft while they agree.
+With argmax (one-hot) drafts this is exactly rejection sampling: the draft is kept with probability p(d) =
+min(1, p(d)/q(d)), and a rejected row's token is distributed as p restricted to tokens other than d, i.e. the
+normalised max(p - q, 0). So it is lossless for greedy and stochastic requests alike (penalties, seeds and stop
+rules included, as each row goes through the ordinary sampler with the tokens accepted so far).
+
+Drafting: the MTP head runs once over every row whose next token is now known (prompt chunks, the accepted
+verify rows), filling its KV cache for those positions, then k-1 more times on its own output hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SpecStats:
+    """vLLM's spec-decode counters: drafts (verify steps), draft tokens, accepted tokens, accepted per position."""
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_position = [0] * self.k
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per verify step (1 + accepted)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@torch.inference_mode()
+def draft(model, runner, pools, items, hidden_rows: torch.Tensor, drafting: list[bool], k: int) -> list[list[int]]:
+    """items: (seq, first position, next-token ids) per request, with `hidden_rows` the target hidden of those
+    rows in order. Fills the MTP KV for those positions; returns k argmax drafts for each request marked
+    `drafting` (the others, mid-prompt, get [])."""
+    batch = runner.rows_batch(items)
+    out = model.mtp(model.model.embed_tokens(batch.input_ids), hidden_rows, batch, model.inv_freq, pools.mtp_cache)
+    which = [i for i, d in enumerate(drafting) if d]
+    if not which:
+        return [[] for _ in items]
+    last = out[batch.logits_indices[which]]
+    drafts = [[t] for t in model.compute_logits(last).argmax(-1).tolist()]
+    seqs = [items[i][0] for i in which]
+    next_pos = [items[i][1] + len(items[i][2]) for i in which]
+    for step in range(1, k):
+        rec = runner.rows_batch([(seq, pos + step - 1, [d[-1]]) for seq, pos, d in zip(seqs, next_pos, drafts)])
+        last = model.mtp(model.model.embed_tokens(rec.input_ids), last, rec, model.inv_freq, pools.mtp_cache)
+        for d, t in zip(drafts, model.compute_logits(last).argmax(-1).tolist()):
+            d.append(t)
+    out_drafts = [[] for _ in items]
+    for i, d in zip(which, drafts):
+        out_drafts[i] = d
+    return out_drafts
