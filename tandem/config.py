@@ -214,6 +214,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: enough for max_num_seqs full-length sequences
     num_state_slots: int | None = None  # None: max_num_seqs * (1 + num_speculative_tokens)
     num_speculative_tokens: int = 0  # MTP drafts verified per decode step (0: no speculation)
+    # Benchmark only: force the acceptance probability of each draft position (e.g. (0.84, 0.66)) so throughput
+    # at a realistic acceptance can be measured on random weights. Outputs produced under it are labelled emulated.
+    emulated_acceptance: tuple[float, ...] | None = None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
 
@@ -228,5 +231,11 @@ class EngineConfig:
             self.num_kv_blocks = self.max_num_seqs * per_seq + 1  # + the null block
         if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 4:
             raise ConfigError(f"num_speculative_tokens: must be 0..4, got {self.num_speculative_tokens!r}")
+        if self.emulated_acceptance is not None:
+            rates = tuple(self.emulated_acceptance)
+            if len(rates) != self.num_speculative_tokens or not all(0.0 <= r <= 1.0 for r in rates):
+                raise ConfigError(f"emulated_acceptance: needs {self.num_speculative_tokens} probabilities in [0, 1], "
+                                  f"got {self.emulated_acceptance!r}")
+            self.emulated_acceptance = rates
         if self.num_state_slots is None:
             self.num_state_slots = self.max_num_seqs * (1 + self.num_speculative_tokens)

@@ -112,3 +112,16 @@ def test_stochastic_verification_is_lossless(monkeypatch):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     for q in set(base) | set(spec):
         assert abs(base.get(q, 0) - spec.get(q, 0)) < 4 * (2 * 0.25 / n) ** 0.5, q
+
+
+def test_emulated_acceptance_hits_the_requested_rates_and_is_labelled():
+    llm = LLM(model="tiny-moe", max_num_seqs=16, block_size=4, max_model_len=256,
+              speculative_config={"num_speculative_tokens": 2}, emulated_acceptance=(0.8, 0.5))
+    outs = llm.generate([{"prompt_token_ids": [3, 4, 5 + i]} for i in range(16)],
+                        SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    st = llm.engine.spec_stats
+    first, second = st.accepted_per_position[0] / st.num_drafts, st.accepted_per_position[1] / st.num_drafts
+    sd = (0.25 / st.num_drafts) ** 0.5
+    assert abs(first - 0.8) < 4 * sd and abs(second - 0.8 * 0.5) < 4 * sd
+    assert all(o.outputs[0].emulated for o in outs)
+    assert not LLM(model="tiny-moe").generate([{"prompt_token_ids": [1]}])[0].outputs[0].emulated

@@ -54,6 +54,7 @@ class Engine:
             raise ValueError("speculative decoding with MTP needs a model with an MTP head (mtp.* weights)")
         self.pools = CachePools(cfg, ecfg, with_mtp=hasattr(model, "mtp"))
         self.spec_stats = SpecStats(ecfg.num_speculative_tokens)
+        self._emulation_rng = torch.Generator().manual_seed(0)
         self.scheduler = Scheduler(ecfg, self.pools)
         self.runner = ModelRunner(model, self.pools, ecfg)
         self.generators: dict[str, torch.Generator] = {}
@@ -110,6 +111,10 @@ class Engine:
             self._finish(seq, reason)
         return reason is not None
 
+    def _emulate(self, position: int) -> bool:
+        rates = self.ecfg.emulated_acceptance
+        return rates is not None and torch.rand((), generator=self._emulation_rng).item() < rates[position]
+
     def _speculative_step(self, chunks) -> list[Sequence]:
         k = self.ecfg.num_speculative_tokens
         model = self.runner.model
@@ -139,6 +144,8 @@ class Engine:
             for j in range(n):
                 tok, lp = sample(logits[j : j + 1], [seq], self.generators)
                 tok = int(tok[0])
+                if j < len(drafts) and self._emulate(j):
+                    tok = drafts[j]  # emulated acceptance: the draft is taken whatever the target says
                 if self._emit(seq, tok, lp[0]):
                     stopped = True
                     break
@@ -177,6 +184,7 @@ class CompletionOutput:
     text: str | None
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None
+    emulated: bool = False  # produced under emulated acceptance (benchmark only): not the model's output
 
 
 @dataclass
@@ -191,11 +199,13 @@ class LLM:
 
     def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str | None = None,
                  max_num_seqs: int = 64, max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
-                 block_size: int = 16, seed: int = 0, speculative_config: dict | None = None):
+                 block_size: int = 16, seed: int = 0, speculative_config: dict | None = None,
+                 emulated_acceptance: tuple[float, ...] | None = None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         ecfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
-                            num_speculative_tokens=parse_speculative_config(speculative_config))
+                            num_speculative_tokens=parse_speculative_config(speculative_config),
+                            emulated_acceptance=emulated_acceptance)
         cfg, net, model_dir = load_model(model, device, ecfg.dtype, seed)
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = Engine(cfg, net, ecfg)
@@ -237,4 +247,5 @@ class LLM:
         text = self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True) if self.tokenizer else None
         lps = s.output_logprobs if s.params.logprobs is not None else None
         return RequestOutput(s.request_id, s.prompt_token_ids,
-                             [CompletionOutput(0, list(s.output_token_ids), text, s.finish_reason, lps)])
+                             [CompletionOutput(0, list(s.output_token_ids), text, s.finish_reason, lps,
+                                               emulated=self.engine.ecfg.emulated_acceptance is not None)])
