@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test clean
+.PHONY: setup run test proto clean
 
 $(STAMP): pyproject.toml
 	# A GPU machine keeps the CUDA torch it has (the venv sees system packages); a CPU machine gets the CPU build.
@@ -23,6 +23,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+proto: $(STAMP)
+	$(BIN)/python -m tandem.rpc.regenerate
 
 clean:
 	rm -rf $(VENV)

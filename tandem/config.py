@@ -231,6 +231,9 @@ class EngineConfig:
             self.num_kv_blocks = self.max_num_seqs * per_seq + 1  # + the null block
         if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 4:
             raise ConfigError(f"num_speculative_tokens: must be 0..4, got {self.num_speculative_tokens!r}")
+        if self.max_num_batched_tokens < 1 + self.num_speculative_tokens:
+            raise ConfigError(f"max_num_batched_tokens: must hold one verify row set (1 + k = "
+                              f"{1 + self.num_speculative_tokens}), got {self.max_num_batched_tokens}")
         if self.emulated_acceptance is not None:
             rates = tuple(self.emulated_acceptance)
             if len(rates) != self.num_speculative_tokens or not all(0.0 <= r <= 1.0 for r in rates):
