@@ -39,11 +39,8 @@ def clone_dir(src, dst, tensors, shards=1):
     return dst
 
 
-MTP_TENSORS: dict[str, torch.Tensor] = {}
-
-
 def to_official_layout(tensors, cfg: ModelConfig):
-    """Fused 3-D experts, `model.language_model.` prefix, plus vision and MTP tensors."""
+    """Fused 3-D experts, `model.language_model.` prefix, plus vision and MTP tensors. Returns (all, mtp)."""
     out, per_expert = {}, {}
     for name, t in tensors.items():
         m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", name)
@@ -59,9 +56,8 @@ def to_official_layout(tensors, cfg: ModelConfig):
             [per_expert[(layer, e, "down_proj")] for e in range(E)])
     out["model.visual.patch_embed.proj.weight"] = torch.randn(4, 3)
     torch.manual_seed(5)
-    MTP_TENSORS.update({f"mtp.{k}": torch.randn_like(v) for k, v in MTPHead(cfg).state_dict().items()})
-    out.update(MTP_TENSORS)
-    return out
+    mtp = {f"mtp.{k}": torch.randn_like(v) for k, v in MTPHead(cfg).state_dict().items()}
+    return {**out, **mtp}, mtp
 
 
 def params(model):
@@ -72,14 +68,15 @@ def test_official_fused_layout_equals_save_pretrained(hf_checkpoints, tmp_path):
     _, path = hf_checkpoints["moe"]
     cfg = ModelConfig.from_dir(path)
     hf_model = load_checkpoint(path, cfg, "cpu", torch.float32, progress=False)
-    official = clone_dir(path, tmp_path / "official", to_official_layout(read_all(path), cfg))
+    tensors, mtp_in = to_official_layout(read_all(path), cfg)
+    official = clone_dir(path, tmp_path / "official", tensors)
     off_model = load_checkpoint(str(official), cfg, "cpu", torch.float32, progress=False)
     a, b = params(hf_model), params(off_model)
     for k in a:
         assert torch.equal(a[k], b[k]), k
     mtp = {k: v for k, v in b.items() if k.startswith("mtp.")}
-    assert mtp.keys() == MTP_TENSORS.keys()
-    assert all(torch.equal(mtp[k], MTP_TENSORS[k]) for k in mtp)
+    assert mtp.keys() == mtp_in.keys()
+    assert all(torch.equal(mtp[k], mtp_in[k]) for k in mtp)
 
 
 def test_sharded_checkpoint_loads(hf_checkpoints, tmp_path):
