@@ -1,4 +1,4 @@
-"""RMS norms of Qwen3.5.
+"""RMS norms of Qwen3.5: a torch reference and a Triton kernel for each, behind one dispatch.
 
 - `rms_norm_1p`: zero-centred weight, `x * rsqrt(mean(x^2) + eps) * (1 + w)`, computed in fp32.
 - `gated_rms_norm`: the GDN output norm, plain weight, applied per value head before the gate:
@@ -8,15 +8,71 @@
 import torch
 import torch.nn.functional as F
 
+from tandem.ops.triton_utils import HAS_TRITON, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm_1p_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        dt = out_ptr.dtype.element_ty
+        # round where the reference rounds: the normed value and its product with w live in the model dtype
+        normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)).to(dt)
+        scaled = (normed * w.to(dt)).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, (scaled * z * tl.sigmoid(z)).to(dt), mask=mask)
+
 
 def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_1p_triton(x, weight, eps) if use_triton(x) else rms_norm_1p_torch(x, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return gated_rms_norm_triton(x, z, weight, eps) if use_triton(x) else gated_rms_norm_torch(x, z, weight, eps)
+
+
+def rms_norm_1p_torch(x, weight, eps):
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (out * (1.0 + weight.float())).to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_torch(x, z, weight, eps):
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     # weight multiplies in the model dtype, the gate in fp32 (as the reference implementation does)
     return ((weight * normed) * F.silu(z.float())).to(x.dtype)
+
+
+def _rows(x):
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    return x2, torch.empty_like(x2), triton.next_power_of_2(x.shape[-1])
+
+
+def rms_norm_1p_triton(x, weight, eps):
+    x2, out, block = _rows(x)
+    _rms_norm_1p_kernel[(x2.shape[0],)](x2, weight, out, x2.shape[1], eps, BLOCK=block)
+    return out.view(x.shape)
+
+
+def gated_rms_norm_triton(x, z, weight, eps):
+    x2, out, block = _rows(x)
+    z2 = z.reshape(-1, z.shape[-1]).contiguous()
+    _gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, out, x2.shape[1], eps, BLOCK=block)
+    return out.view(x.shape)
