@@ -26,7 +26,8 @@ def reference_mtp(model, hf_layer, rotary, next_ids, hiddens):
     u = F.linear(torch.cat([rms1p(e, m.pre_fc_norm_embedding.weight), rms1p(hiddens, m.pre_fc_norm_hidden.weight)], -1),
                  m.fc.weight)[None]
     pos = torch.arange(len(next_ids))[None]
-    out = hf_layer(u, position_embeddings=rotary(u, pos), attention_mask=None, position_ids=pos)
+    # (3, 1, n): one position row per mRoPE axis, all equal for text
+    out = hf_layer(u, position_embeddings=rotary(u, pos[None].expand(3, -1, -1)), attention_mask=None, position_ids=pos)
     out = out[0] if isinstance(out, tuple) else out
     return rms1p(out[0], m.norm.weight)
 

@@ -5,7 +5,7 @@ import warnings
 
 from tandem.rpc import router_pb2 as tandem_dot_v1_dot_router__pb2
 
-GRPC_GENERATED_VERSION = '1.84.2'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -6,7 +6,7 @@ import warnings
 from tandem.rpc import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.rpc import worker_pb2 as tandem_dot_v1_dot_worker__pb2
 
-GRPC_GENERATED_VERSION = '1.84.2'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
