@@ -18,7 +18,6 @@ from tandem.config import EngineConfig, ModelConfig
 class CachePools:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool = False):
         dev, dt = ecfg.device, ecfg.dtype
-        self.block_size = ecfg.block_size
         self.blocks = CountingAllocator(ecfg.num_kv_blocks, "kv blocks")
         self.slots = CountingAllocator(ecfg.num_state_slots + 1, "gdn state slots")
         kv_shape = (ecfg.num_kv_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)

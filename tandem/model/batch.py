@@ -25,7 +25,3 @@ class ForwardBatch:
     # Host copies for the torch reference ops, which walk requests one by one.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.seq_lens_cpu)
