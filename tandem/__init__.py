@@ -3,4 +3,5 @@
 from tandem.engine.llm import LLM
 from tandem.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]

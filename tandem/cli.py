@@ -30,9 +30,62 @@ def _generate(args) -> int:
     return 0
 
 
+def _request(args) -> int:
+    from tandem import SamplingParams
+    from tandem.client import TandemClient
+    from tandem.rpc import common_pb2
+
+    prompt = [int(t) for t in args.prompt_token_ids.split(",")] if args.prompt_token_ids else args.prompt
+    if prompt is None:
+        raise ValueError("give --prompt or --prompt-token-ids")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    with TandemClient(args.address) as client:
+        client.wait_ready(args.wait)
+        ids, text, reason = [], "", 0
+        for m in client.generate(prompt, params, timeout=args.timeout):
+            ids += m.token_ids
+            text += m.text
+            reason = m.finish_reason
+    print("token ids:", ids)
+    if text:
+        print("text:", text)
+    print("finish reason:", common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower())
+    return 0
+
+
+def _component(module: str):
+    def run(args):
+        import importlib
+
+        return importlib.import_module(module).main(args)
+    return run
+
+
 def main(argv=None) -> int:
+    import importlib
+
     ap = argparse.ArgumentParser(prog="tandem")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, module, doc in (("serve", "tandem.launch", "router + prefill + decode workers on this machine"),
+                              ("router", "router.main", "the public gRPC endpoint"),
+                              ("prefill-worker", "prefill_worker.main", "one prefill worker"),
+                              ("decode-worker", "decode_worker.main", "one decode worker")):
+        p = sub.add_parser(name, help=doc)
+        mod = importlib.import_module(module)
+        mod.add_args(p)
+        p.set_defaults(fn=mod.serve if name == "serve" else _component(module))
+    r = sub.add_parser("request", help="send one request to a router and print the result")
+    r.add_argument("--address", default="127.0.0.1:50051")
+    r.add_argument("--prompt", default=None)
+    r.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids")
+    r.add_argument("--max-tokens", type=int, default=16)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--ignore-eos", action="store_true")
+    r.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the server to be ready")
+    r.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds")
+    r.set_defaults(fn=_request)
     g = sub.add_parser("generate", help="offline generation with the colocated engine")
     g.add_argument("--model", default="tiny-moe", help="checkpoint directory or preset name")
     g.add_argument("--prompt", default=None, help="text prompt (needs a tokenizer in the model directory)")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.cache.handoff import gather_state, scatter_state
 from tandem.cache.pools import CachePools
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.runner import ModelRunner
@@ -45,32 +46,81 @@ def parse_speculative_config(spec: dict | None) -> int:
     return spec.get("num_speculative_tokens", 1)
 
 
-class Engine:
-    """Owns the model, the cache pools, the scheduler and the runner; `step()` runs one batched forward."""
+@dataclass
+class PrefilledRequest:
+    """A request that left a prefill-only engine: its first token and drafts, and copies of its state."""
 
-    def __init__(self, cfg: ModelConfig, model, ecfg: EngineConfig):
+    seq: Sequence
+    state: list[tuple[str, torch.Tensor]]
+    rng_state: torch.Tensor | None  # the seeded generator after the first token, so decoding continues its stream
+
+
+class Engine:
+    """Owns the model, the cache pools, the scheduler and the runner; `step()` runs one batched forward.
+
+    `prefill_only`: the engine of a prefill worker; requests leave through `take_prefilled` after their first token.
+    A decode worker's engine takes requests through `reserve` + `install_prefilled` instead of `add_request`."""
+
+    def __init__(self, cfg: ModelConfig, model, ecfg: EngineConfig, prefill_only: bool = False):
         self.cfg, self.ecfg = cfg, ecfg
         if ecfg.num_speculative_tokens and not hasattr(model, "mtp"):
             raise ValueError("speculative decoding with MTP needs a model with an MTP head (mtp.* weights)")
         self.pools = CachePools(cfg, ecfg, with_mtp=hasattr(model, "mtp"))
         self.spec_stats = SpecStats(ecfg.num_speculative_tokens)
         self._emulation_rng = torch.Generator().manual_seed(0)
-        self.scheduler = Scheduler(ecfg, self.pools)
+        self.scheduler = Scheduler(ecfg, self.pools, prefill_only)
         self.runner = ModelRunner(model, self.pools, ecfg)
         self.generators: dict[str, torch.Generator] = {}
         self.sequences: dict[str, Sequence] = {}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
-        seq = Sequence(request_id, list(prompt_token_ids), params, eos_ids=list(self.cfg.eos_token_ids))
+        return Sequence(request_id, list(prompt_token_ids), params, eos_ids=list(self.cfg.eos_token_ids))
+
+    def _register(self, seq: Sequence) -> None:
+        self.sequences[seq.request_id] = seq
+        if seq.params.seed is not None:
+            self.generators[seq.request_id] = torch.Generator(device=self.ecfg.device).manual_seed(seq.params.seed)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
         self.scheduler.add(seq)
-        self.sequences[request_id] = seq
-        if params.seed is not None:
-            self.generators[request_id] = torch.Generator(device=self.ecfg.device).manual_seed(params.seed)
+        self._register(seq)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence | None:
+        """Decode worker: holds a request's blocks and slots for its hand-off; None when they are not free now.
+        Raises ValueError for a request that can never fit."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if not self.scheduler.reserve(seq):
+            return None
+        self._register(seq)
+        return seq
+
+    def install_prefilled(self, seq: Sequence, first_token: int, first_logprob: dict | None, drafts: list[int],
+                          state: dict[str, torch.Tensor], rng_state: torch.Tensor | None) -> None:
+        """Decode worker: the reserved request continues from a prefill worker's state as if prefilled here."""
+        scatter_state(self.cfg, self.pools, seq, state, self.ecfg.block_size)
+        seq.num_computed = len(seq.prompt_token_ids)
+        seq.output_token_ids = [first_token]
+        seq.output_logprobs = [first_logprob] if first_logprob is not None else []
+        seq.drafts = list(drafts)
+        if rng_state is not None:
+            self.generators[seq.request_id].set_state(rng_state)
+        self.scheduler.admit_prefilled(seq)
+
+    def take_prefilled(self) -> list[PrefilledRequest]:
+        """Prefill-only engine: removes the requests whose first token (and drafts) are ready, with their state."""
+        out = []
+        for seq in [s for s in self.scheduler.running if not s.in_prefill]:
+            gen = self.generators.get(seq.request_id)
+            out.append(PrefilledRequest(seq, gather_state(self.cfg, self.pools, seq, self.ecfg.block_size),
+                                        gen.get_state() if gen is not None else None))
+            self._finish(seq, "handoff")
+        return out
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.get(request_id)

@@ -4,6 +4,10 @@ Each step: every running request past its prompt decodes (one token, or its last
 verify; decode rows first), then prompt chunks fill
 the rest of the token budget, oldest first. A request is admitted only when `max_num_seqs` allows and its KV
 blocks (for its whole possible length, so it never needs preemption) and a GDN state slot are free.
+
+Disaggregated roles: a prefill-only scheduler holds blocks for the prompt plus the MTP drafts only (the request
+leaves once its first token is sampled); a decode worker `reserve`s a request's full capacity up front (a lease)
+and `admit_prefilled` puts it straight into the running batch once its state has been copied in.
 """
 
 from __future__ import annotations
@@ -23,13 +27,19 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, pools: CachePools):
+    def __init__(self, ecfg: EngineConfig, pools: CachePools, prefill_only: bool = False):
         self.ecfg = ecfg
         self.pools = pools
+        self.prefill_only = prefill_only
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.reserved: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
+        self._validate(seq)
+        self.waiting.append(seq)
+
+    def _validate(self, seq: Sequence) -> None:
         max_len = len(seq.prompt_token_ids) + seq.params.max_tokens
         spec = self.ecfg.num_speculative_tokens
         if len(seq.prompt_token_ids) == 0:
@@ -40,26 +50,47 @@ class Scheduler:
                 f"max_model_len ({self.ecfg.max_model_len})")
         if self._blocks_needed(seq) > self.pools.blocks.capacity:
             raise ValueError(f"request needs {self._blocks_needed(seq)} KV blocks; the pool has {self.pools.blocks.capacity}")
-        self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _blocks_needed(self, seq: Sequence) -> int:
-        # a verify step writes KV for up to k positions beyond the last accepted token
-        tokens = len(seq.prompt_token_ids) + seq.params.max_tokens + self.ecfg.num_speculative_tokens
+        # a verify step writes KV for up to k positions beyond the last accepted token; a prefill-only worker
+        # writes the prompt, the first token's MTP row and k-1 recursive MTP rows
+        k = self.ecfg.num_speculative_tokens
+        tokens = len(seq.prompt_token_ids) + (1 + k if self.prefill_only else seq.params.max_tokens + k)
         return -(-tokens // self.ecfg.block_size)
 
-    def _try_admit(self, seq: Sequence) -> bool:
+    def _allocate(self, seq: Sequence) -> bool:
         need, n_slots = self._blocks_needed(seq), 1 + self.ecfg.num_speculative_tokens
-        if len(self.running) >= self.ecfg.max_num_seqs or not self.pools.blocks.can_allocate(need) \
-                or not self.pools.slots.can_allocate(n_slots):
+        if len(self.running) + len(self.reserved) >= self.ecfg.max_num_seqs \
+                or not self.pools.blocks.can_allocate(need) or not self.pools.slots.can_allocate(n_slots):
             return False
         seq.block_ids = self.pools.blocks.allocate(need)
         seq.state_slots = self.pools.allocate_slots(n_slots)
+        return True
+
+    def _try_admit(self, seq: Sequence) -> bool:
+        if not self._allocate(seq):
+            return False
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Holds the whole capacity of a request whose prompt is prefilled elsewhere; False when it does not fit now."""
+        self._validate(seq)
+        if not self._allocate(seq):
+            return False
+        seq.status = Status.RESERVED
+        self.reserved.append(seq)
+        return True
+
+    def admit_prefilled(self, seq: Sequence) -> None:
+        """A reserved request whose prompt state is now in its blocks and slots joins the running batch."""
+        self.reserved.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.ecfg.max_num_batched_tokens
@@ -87,8 +118,8 @@ class Scheduler:
         """Frees everything the sequence holds; safe on every path (finished, aborted, waiting)."""
         if seq.status == Status.FINISHED:
             return
-        if seq.status == Status.RUNNING:
-            self.running.remove(seq)
+        if seq.status in (Status.RUNNING, Status.RESERVED):
+            (self.running if seq.status == Status.RUNNING else self.reserved).remove(seq)
             self.pools.blocks.free(seq.block_ids)
             self.pools.slots.free(seq.state_slots)
             seq.block_ids, seq.state_slots = [], []

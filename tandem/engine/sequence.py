@@ -10,6 +10,7 @@ from tandem.engine.sampling_params import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    RESERVED = "reserved"  # decode worker: capacity held for a hand-off that has not arrived yet
     RUNNING = "running"
     FINISHED = "finished"
 

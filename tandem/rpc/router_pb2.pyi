@@ -84,13 +84,27 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "prefill_workers", "decode_workers", "transfer_backend")
+    __slots__ = ("version", "prefill_workers", "decode_workers", "transfer_backend", "workers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     prefill_workers: _containers.RepeatedScalarFieldContainer[str]
     decode_workers: _containers.RepeatedScalarFieldContainer[str]
     transfer_backend: str
-    def __init__(self, version: _Optional[str] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., decode_workers: _Optional[_Iterable[str]] = ..., transfer_backend: _Optional[str] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, version: _Optional[str] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., decode_workers: _Optional[_Iterable[str]] = ..., transfer_backend: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("address", "role", "healthy", "load")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: str
+    healthy: bool
+    load: _common_pb2.Load
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ...) -> None: ...

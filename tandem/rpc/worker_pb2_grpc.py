@@ -42,6 +42,11 @@ class PrefillWorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/tandem.v1.PrefillWorker/Abort',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/tandem.v1.PrefillWorker/GetLoad',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
@@ -60,6 +65,12 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetLoad(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -73,6 +84,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.WorkerAbortRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.WorkerAbortResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -120,6 +136,33 @@ class PrefillWorker:
             _registered_method=True)
 
     @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.PrefillWorker/Abort',
+            tandem_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetLoad(request,
             target,
             options=(),
@@ -148,7 +191,8 @@ class PrefillWorker:
 
 
 class DecodeWorkerStub:
-    """Decode worker: reserves capacity (a lease), admits the hand-off, decodes with MTP speculation.
+    """Decode worker: reserves capacity (a lease) for a request, admits its hand-off, decodes with MTP speculation.
+    Decode attaches to the output of a request whose lease was granted; tokens produced before it attaches are kept.
     """
 
     def __init__(self, channel):
@@ -180,7 +224,8 @@ class DecodeWorkerStub:
 
 
 class DecodeWorkerServicer:
-    """Decode worker: reserves capacity (a lease), admits the hand-off, decodes with MTP speculation.
+    """Decode worker: reserves capacity (a lease) for a request, admits its hand-off, decodes with MTP speculation.
+    Decode attaches to the output of a request whose lease was granted; tokens produced before it attaches are kept.
     """
 
     def Reserve(self, request, context):
@@ -239,7 +284,8 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DecodeWorker:
-    """Decode worker: reserves capacity (a lease), admits the hand-off, decodes with MTP speculation.
+    """Decode worker: reserves capacity (a lease) for a request, admits its hand-off, decodes with MTP speculation.
+    Decode attaches to the output of a request whose lease was granted; tokens produced before it attaches are kept.
     """
 
     @staticmethod

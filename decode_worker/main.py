@@ -1,0 +1,35 @@
+"""`tandem decode-worker`: one decode worker process (gRPC service + hand-off listener)."""
+
+from __future__ import annotations
+
+import logging
+
+from decode_worker.server import DecodeWorker
+from tandem.engine.llm import Engine, load_model
+from tandem.rpc import worker_pb2, worker_pb2_grpc
+from tandem.rpc.server import Server
+from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, engine_config,
+                                 fingerprint, serve_until_signalled)
+
+
+def add_args(ap) -> None:
+    add_engine_args(ap)
+    add_server_args(ap, port=50062)
+    ap.add_argument("--transfer-port", type=int, default=50063, help="hand-off listener port (0: any free port)")
+    ap.add_argument("--lease-seconds", type=float, default=60.0,
+                    help="how long a lease waits for its hand-off (and a finished hand-off for its stream)")
+
+
+def main(args) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s decode %(levelname)s %(message)s")
+    ecfg = engine_config(args)
+    cfg, model, _ = load_model(args.model, ecfg.device, ecfg.dtype, args.seed)
+    worker = DecodeWorker(Engine(cfg, model, ecfg), fingerprint(args), args.host, args.transfer_port,
+                          advertise_host(args), lease_seconds=args.lease_seconds).start()
+    server = Server()
+    server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, worker,
+               worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
+    port = server.start(args.host, args.port)
+    announce("decode-worker", grpc=f"{advertise_host(args)}:{port}", transfer=worker.transfer_address)
+    serve_until_signalled(server, worker, args.drain_timeout)
+    return 0

@@ -1,0 +1,253 @@
+"""The decode worker: leases capacity, receives hand-offs, decodes with MTP speculation and streams tokens.
+
+A request's life here: `Reserve` allocates its blocks and slots for its whole length and returns a lease with a
+one-time transfer token. The prefill worker then pushes the state to the transfer listener; the header is
+checked against the lease (token, request, model fingerprint, tensor shapes) before any byte is accepted, and
+the state is installed between two engine steps, so running requests never stall for a copy. `Decode` attaches
+to the request's output (tokens made before it attaches wait in its channel). A lease that is not used in time,
+or an installed request nobody attaches to, expires and frees everything, as does `Abort` or a dropped stream.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import logging
+import queue
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from tandem.cache.handoff import expected_shapes
+from tandem.engine.loop import EngineLoop
+from tandem.engine.sequence import Sequence, Status
+from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.rpc.server import on_end
+from tandem.rpc.convert import finish_reason_to_proto, logprobs_to_proto, sampling_from_proto
+from tandem.transfer.base import TransferServer
+from tandem.transfer.errors import TransferRejected
+from tandem.transfer.manifest import unpack
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Output:
+    token_ids: list[int]
+    logprobs: list[dict]
+    finish_reason: str | None = None
+    error: tuple[grpc.StatusCode, str] | None = None
+
+
+@dataclass
+class LeaseRecord:
+    lease_id: str
+    token: bytes
+    seq: Sequence
+    expires: float  # time.monotonic() deadline for the current stage (hand-off, then attaching)
+    stage: str = "reserved"  # reserved -> transferring -> installed (-> finished, when no stream is attached yet)
+    attached: bool = False
+    emitted: int = 0  # output tokens already put in the channel (the first came from the prefill worker)
+    channel: queue.Queue = field(default_factory=queue.Queue)
+
+
+class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, engine, fingerprint: str, transfer_host: str, transfer_port: int, advertise_host: str,
+                 lease_seconds: float = 30.0, metrics=None):
+        self.engine, self.fingerprint, self.lease_seconds, self.metrics = engine, fingerprint, lease_seconds, metrics
+        self._lock = threading.Lock()
+        self._by_request: dict[str, LeaseRecord] = {}
+        self._by_lease: dict[str, LeaseRecord] = {}
+        self.loop = EngineLoop(engine, self._after_step, self._on_error, periodic=self._expire)
+        self.transfer = TransferServer(transfer_host, transfer_port, engine.ecfg.device, self._on_header,
+                                       self._on_payload)
+        self._advertise_host = advertise_host
+        self.draining = False
+
+    def start(self) -> "DecodeWorker":
+        self.transfer.start()
+        self.loop.start()
+        return self
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.transfer.stop()
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._by_request)
+
+    @property
+    def transfer_address(self) -> str:
+        return f"{self._advertise_host}:{self.transfer.address.rsplit(':', 1)[1]}"
+
+    # ---- RPCs -------------------------------------------------------------------------------------------------
+    def Reserve(self, request, context):
+        if self.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
+        try:
+            params = sampling_from_proto(request.sampling)
+            seq = self.loop.call(lambda e: e.reserve(request.request_id, list(request.prompt_token_ids), params))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if seq is None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks or state slots for this request now")
+        rec = LeaseRecord(uuid.uuid4().hex, secrets.token_bytes(16), seq, time.monotonic() + self.lease_seconds)
+        with self._lock:
+            self._by_request[seq.request_id] = rec
+            self._by_lease[rec.lease_id] = rec
+        self._gauge_leases()
+        return worker_pb2.Lease(request_id=seq.request_id, lease_id=rec.lease_id, block_ids=seq.block_ids,
+                                state_slots=seq.state_slots, transfer_token=rec.token,
+                                transfer_address=self.transfer_address,
+                                expires_unix_ms=int((time.time() + self.lease_seconds) * 1000))
+
+    def Decode(self, request, context):
+        with self._lock:
+            rec = self._by_request.get(request.request_id)
+            if rec is not None and (rec.lease_id != request.lease_id or rec.attached):
+                rec = None
+            if rec is not None:
+                rec.attached = True
+        if rec is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no open lease {request.lease_id!r} for {request.request_id!r}")
+        on_end(context, lambda: self._abort(request.request_id))  # a no-op once finished
+        while True:
+            try:
+                out = rec.channel.get(timeout=0.5)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if out.error is not None:
+                context.abort(*out.error)
+            yield worker_pb2.DecodeResponse(token_ids=out.token_ids,
+                                            logprobs=[logprobs_to_proto(d) for d in out.logprobs],
+                                            finish_reason=finish_reason_to_proto(out.finish_reason))
+            if out.finish_reason is not None:
+                self._forget(rec)
+                return
+
+    def Abort(self, request, context):
+        return worker_pb2.WorkerAbortResponse(found=self._abort(request.request_id))
+
+    def GetLoad(self, request, context):
+        return self.load()
+
+    def load(self) -> common_pb2.Load:
+        sched, pools = self.engine.scheduler, self.engine.pools
+        return common_pb2.Load(running_requests=len(sched.running), waiting_requests=len(sched.waiting),
+                               free_kv_blocks=pools.blocks.num_free, total_kv_blocks=pools.blocks.capacity,
+                               free_state_slots=pools.slots.num_free, total_state_slots=pools.slots.capacity,
+                               active_leases=len(sched.reserved))
+
+    # ---- request ends -----------------------------------------------------------------------------------------
+    def _abort(self, request_id: str, error: tuple[grpc.StatusCode, str] | None = None) -> bool:
+        with self._lock:
+            rec = self._by_request.pop(request_id, None)
+            if rec is not None:
+                self._by_lease.pop(rec.lease_id, None)
+        if rec is None:
+            return False
+        self.loop.submit(lambda e: e.abort(request_id))
+        rec.channel.put(Output([], [], "abort", error))
+        self._gauge_leases()
+        return True
+
+    def _forget(self, rec: LeaseRecord) -> None:
+        with self._lock:
+            self._by_request.pop(rec.seq.request_id, None)
+            self._by_lease.pop(rec.lease_id, None)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            # an attached stream ends an installed request itself (client gone: the RPC is cancelled)
+            late = [r for r in self._by_request.values()
+                    if r.expires < now and not (r.attached and r.stage in ("installed", "finished"))]
+        for rec in late:
+            log.warning("lease %s of %s expired at stage %s", rec.lease_id, rec.seq.request_id, rec.stage)
+            if self.metrics is not None:
+                self.metrics.lease_expiries_total.inc()
+            self._abort(rec.seq.request_id, (grpc.StatusCode.DEADLINE_EXCEEDED, "decode lease expired"))
+
+    def _gauge_leases(self) -> None:
+        if self.metrics is not None:
+            with self._lock:
+                self.metrics.leases_active.set(sum(r.stage != "installed" for r in self._by_request.values()))
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+    def _after_step(self, active: list[Sequence], finished: list[Sequence]) -> None:
+        for seq in active:
+            with self._lock:
+                rec = self._by_request.get(seq.request_id)
+            if rec is None:
+                continue
+            new = seq.output_token_ids[rec.emitted:]
+            lps = seq.output_logprobs[rec.emitted:] if seq.params.logprobs is not None else []
+            rec.emitted = len(seq.output_token_ids)
+            done = seq.finish_reason if seq.status == Status.FINISHED else None
+            if new or done:
+                rec.channel.put(Output(new, lps, done))
+            if done:
+                with self._lock:
+                    if not rec.attached:  # the output waits in the channel for its stream until the lease expires
+                        rec.stage, rec.expires = "finished", time.monotonic() + self.lease_seconds
+                        continue
+                self._forget(rec)
+        if self.metrics is not None:
+            self.metrics.observe_engine(self.engine)
+
+    def _on_error(self, exc: Exception, active: list[Sequence]) -> None:
+        for seq in active:
+            self._abort(seq.request_id, (grpc.StatusCode.INTERNAL, f"decode step failed: {exc}"))
+
+    # ---- transfer listener threads ----------------------------------------------------------------------------
+    def _on_header(self, manifest) -> None:
+        with self._lock:
+            rec = self._by_lease.get(manifest.lease_id)
+            if rec is None:
+                raise TransferRejected(f"unknown or expired lease {manifest.lease_id!r}")
+            if not hmac.compare_digest(bytes.fromhex(manifest.transfer_token), rec.token):
+                raise TransferRejected("transfer token does not match the lease")
+            if rec.stage != "reserved":
+                raise TransferRejected("the lease's transfer token was already used")
+            rec.stage = "transferring"
+        if manifest.request_id != rec.seq.request_id:
+            raise TransferRejected(f"lease belongs to {rec.seq.request_id!r}, not {manifest.request_id!r}")
+        if manifest.fingerprint != self.fingerprint:
+            raise TransferRejected("model fingerprint differs between the prefill and the decode worker")
+        want = expected_shapes(self.engine.cfg, self.engine.pools, len(rec.seq.prompt_token_ids),
+                               self.engine.ecfg.block_size)
+        got = {s.name: (s.dtype, list(s.shape)) for s in manifest.specs}
+        want = {name: (str(dt).removeprefix("torch."), shape) for name, (dt, shape) in want.items()}
+        if got != want:
+            raise TransferRejected(f"hand-off tensors do not match this worker's cache layout "
+                                   f"(got {sorted(got)[:4]}..., want {sorted(want)[:4]}...)")
+
+    def _on_payload(self, manifest, flat: torch.Tensor) -> None:
+        with self._lock:
+            rec = self._by_lease.get(manifest.lease_id)
+        if rec is None:
+            raise TransferRejected("the request was aborted during the hand-off")
+        tensors = unpack(flat, manifest.specs)
+        meta = manifest.meta
+        rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng_state"])), dtype=torch.uint8) \
+            if meta.get("rng_state") else None
+        first_lp = {int(t): lp for t, lp in meta["first_logprobs"].items()} if meta.get("first_logprobs") else None
+
+        def install(engine):
+            if rec.seq.status != Status.RESERVED:  # aborted meanwhile
+                raise TransferRejected("the request was aborted during the hand-off")
+            engine.install_prefilled(rec.seq, int(meta["first_token"]), first_lp, list(meta["drafts"]), tensors,
+                                     rng)
+            rec.stage, rec.emitted = "installed", 1
+            rec.expires = time.monotonic() + self.lease_seconds  # now the router has this long to attach
+
+        self.loop.call(install)
+        self._gauge_leases()

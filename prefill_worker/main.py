@@ -1,0 +1,38 @@
+"""`tandem prefill-worker`: one prefill worker process."""
+
+from __future__ import annotations
+
+import logging
+
+from prefill_worker.server import FAULTS, PrefillWorker
+from tandem.engine.llm import Engine, load_model
+from tandem.rpc import worker_pb2, worker_pb2_grpc
+from tandem.rpc.server import Server
+from tandem.transfer.base import BACKENDS
+from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, engine_config,
+                                 fingerprint, serve_until_signalled)
+
+
+def add_args(ap) -> None:
+    add_engine_args(ap)
+    add_server_args(ap, port=50061)
+    ap.add_argument("--transfer-backend", default="auto", choices=("auto", *BACKENDS))
+    ap.add_argument("--inject-fault", default=None, choices=FAULTS, help="testing only")
+
+
+def main(args) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s prefill %(levelname)s %(message)s")
+    ecfg = engine_config(args)
+    cfg, model, _ = load_model(args.model, ecfg.device, ecfg.dtype, args.seed)
+    backend = args.transfer_backend
+    if backend == "auto":
+        backend = "tcp" if ecfg.device == "cpu" else "cuda_ipc"
+    worker = PrefillWorker(Engine(cfg, model, ecfg, prefill_only=True), fingerprint(args), backend,
+                           args.inject_fault).start()
+    server = Server()
+    server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, worker,
+               worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)
+    port = server.start(args.host, args.port)
+    announce("prefill-worker", grpc=f"{advertise_host(args)}:{port}", transfer_backend=backend)
+    serve_until_signalled(server, worker, args.drain_timeout)
+    return 0

@@ -1,0 +1,188 @@
+"""The prefill worker: batches concurrent prompts (chunked, under the token budget), samples the first token,
+runs the MTP layer over the prompt for the first drafts, pushes the state to the decode worker named in the
+lease and answers with the first token.
+
+The engine thread only computes: a finished prefill's state is copied out and its blocks freed at once, and the
+RPC thread that asked for it packs and sends it, so transfers overlap the next prefills.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc
+
+from tandem.engine.llm import PrefilledRequest
+from tandem.engine.loop import EngineLoop
+from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.rpc.server import on_end
+from tandem.rpc.convert import finish_reason_to_proto, logprobs_to_proto, sampling_from_proto
+from tandem.transfer.base import TransferClient
+from tandem.transfer.errors import TransferError, TransferRejected
+from tandem.transfer.manifest import Manifest, checksum, pack
+
+log = logging.getLogger(__name__)
+
+FAULTS = ("corrupt-handoff",)  # test hooks, off unless asked for on the command line
+
+
+class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, engine, fingerprint: str, transfer_backend: str, inject_fault: str | None = None,
+                 metrics=None):
+        self.engine, self.fingerprint, self.metrics = engine, fingerprint, metrics
+        self.transfer_backend = transfer_backend
+        self.client = TransferClient(transfer_backend, engine.ecfg.device)
+        self.inject_fault = inject_fault
+        self._lock = threading.Lock()
+        self._pending: dict[str, Future] = {}
+        self._queued_tokens = 0
+        self.loop = EngineLoop(engine, self._after_step, self._on_error)
+        self.draining = False
+
+    def start(self) -> "PrefillWorker":
+        self.loop.start()
+        return self
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.client.close()
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._pending)
+
+    # ---- RPCs -------------------------------------------------------------------------------------------------
+    def Prefill(self, request, context):
+        if self.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is draining")
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        done: Future = Future()
+        with self._lock:
+            if rid in self._pending:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already being prefilled")
+            self._pending[rid] = done
+            self._queued_tokens += len(prompt)
+        try:
+            try:
+                self.loop.call(lambda e: e.add_request(rid, prompt, params))
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            on_end(context, lambda: self._abort(rid))  # a cancelled or timed-out RPC frees the request
+            result = self._wait(done, context)
+        finally:
+            with self._lock:
+                self._pending.pop(rid, None)
+                self._queued_tokens -= len(prompt)
+        if isinstance(result, Exception):
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {result}")
+        if not isinstance(result, PrefilledRequest):  # the first token ended it, or it was aborted: no hand-off
+            return self._response(result, result.finish_reason)
+        return self._hand_off(result, request.lease, context)
+
+    def Abort(self, request, context):
+        return worker_pb2.WorkerAbortResponse(found=self._abort(request.request_id))
+
+    def GetLoad(self, request, context):
+        return self.load()
+
+    def load(self) -> common_pb2.Load:
+        sched, pools = self.engine.scheduler, self.engine.pools
+        return common_pb2.Load(running_requests=len(sched.running), waiting_requests=len(sched.waiting),
+                               queued_prompt_tokens=self._queued_tokens, free_kv_blocks=pools.blocks.num_free,
+                               total_kv_blocks=pools.blocks.capacity, free_state_slots=pools.slots.num_free,
+                               total_state_slots=pools.slots.capacity)
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _wait(self, done: Future, context):
+        while True:
+            try:
+                return done.result(timeout=0.5)
+            except FutureTimeout:
+                if not context.is_active():
+                    context.abort(grpc.StatusCode.CANCELLED, "the prefill was cancelled")
+
+    def _abort(self, rid: str) -> bool:
+        with self._lock:
+            found = rid in self._pending
+        if found:
+            self.loop.submit(lambda e: e.abort(rid))
+            # an aborted request never reaches _after_step: answer its waiter here
+            self.loop.submit(lambda e: self._resolve(rid, _Aborted(rid)))
+        return found
+
+    def _resolve(self, rid: str, result) -> None:
+        with self._lock:
+            fut = self._pending.get(rid)
+        if fut is not None and not fut.done():
+            fut.set_result(result)
+
+    def _response(self, seq, finish_reason, nbytes: int = 0, seconds: float = 0.0):
+        resp = worker_pb2.PrefillResponse(first_token_id=seq.output_token_ids[0] if seq.output_token_ids else 0,
+                                          handoff_bytes=nbytes, handoff_seconds=seconds,
+                                          finish_reason=finish_reason_to_proto(finish_reason))
+        if seq.output_logprobs:
+            resp.first_logprobs.CopyFrom(logprobs_to_proto(seq.output_logprobs[0]))
+        return resp
+
+    def _hand_off(self, h: PrefilledRequest, lease, context):
+        seq = h.seq
+        lp = seq.output_logprobs[0] if seq.output_logprobs else None
+        flat, specs = pack(h.state)
+        meta = {"first_token": seq.output_token_ids[0], "drafts": seq.drafts,
+                "first_logprobs": {str(t): v for t, v in lp.items()} if lp else None,
+                "rng_state": base64.b64encode(h.rng_state.numpy().tobytes()).decode() if h.rng_state is not None
+                else None}
+        manifest = Manifest(request_id=seq.request_id, lease_id=lease.lease_id,
+                            transfer_token=lease.transfer_token.hex(), fingerprint=self.fingerprint, specs=specs,
+                            total_bytes=flat.numel(), checksum=checksum(flat), meta=meta)
+        if self.inject_fault == "corrupt-handoff":
+            flat[flat.numel() // 2] ^= 0xFF
+        remaining = context.time_remaining()
+        try:
+            nbytes, seconds = self.client.send(lease.transfer_address, manifest, flat,
+                                               timeout=min(remaining, 60.0) if remaining is not None else 60.0)
+        except TransferRejected as e:
+            self._count_failure("rejected")
+            code = grpc.StatusCode.DATA_LOSS if "checksum" in str(e) else grpc.StatusCode.FAILED_PRECONDITION
+            context.abort(code, f"hand-off refused by the decode worker: {e}")
+        except TransferError as e:
+            self._count_failure("transport")
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"hand-off to {lease.transfer_address} failed: {e}")
+        if self.metrics is not None:
+            self.metrics.handoff_bytes_total.inc(nbytes)
+            self.metrics.handoff_seconds.observe(seconds)
+        return self._response(seq, None, nbytes, seconds)
+
+    def _count_failure(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.handoff_failures_total.labels(reason=reason).inc()
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+    def _after_step(self, active, finished) -> None:
+        for seq in finished:
+            self._resolve(seq.request_id, seq)
+        for h in self.engine.take_prefilled():
+            self._resolve(h.seq.request_id, h)
+
+    def _on_error(self, exc: Exception, active) -> None:
+        with self._lock:
+            rids = list(self._pending)
+        for rid in rids:
+            self.engine.abort(rid)
+            self._resolve(rid, RuntimeError(str(exc)))
+
+
+class _Aborted:
+    """Stands for an aborted request's sequence: no token, finish reason abort."""
+
+    def __init__(self, rid: str):
+        self.request_id, self.output_token_ids, self.output_logprobs, self.finish_reason = rid, [], [], "abort"

@@ -1,0 +1,46 @@
+"""`tandem router`: the public gRPC endpoint in front of the prefill and decode workers."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from router.server import Router
+from router.workers import WorkerPool
+from tandem.rpc import router_pb2, router_pb2_grpc
+from tandem.rpc.server import Server
+from tandem.tokenizer import load_tokenizer
+from tandem.worker_setup import add_server_args, advertise_host, announce, model_config, serve_until_signalled
+
+
+def _list(s: str | None) -> list[str]:
+    return [a for a in (s or "").split(",") if a]
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--model", default="tiny-moe", help="checkpoint directory or preset name (as the workers')")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--num-speculative-tokens", type=int, default=2)
+    add_server_args(ap, port=50051)
+    ap.add_argument("--prefill-workers", default=None, help="comma-separated host:port list")
+    ap.add_argument("--decode-workers", default=None, help="comma-separated host:port list")
+    ap.add_argument("--prefill-dns", default=None, help="name:port re-resolved for prefill workers (headless Service)")
+    ap.add_argument("--decode-dns", default=None, help="name:port re-resolved for decode workers (headless Service)")
+    ap.add_argument("--poll-seconds", type=float, default=1.0, help="worker discovery and health-check period")
+
+
+def main(args) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
+    cfg = model_config(args.model)
+    prefill = WorkerPool("prefill", _list(args.prefill_workers), args.prefill_dns, args.poll_seconds).start()
+    decode = WorkerPool("decode", _list(args.decode_workers), args.decode_dns, args.poll_seconds).start()
+    tokenizer = load_tokenizer(args.model if os.path.isdir(args.model) else None)
+    router = Router(cfg, os.path.basename(os.path.normpath(args.model)), args.max_model_len,
+                    args.num_speculative_tokens, prefill, decode, tokenizer)
+    server = Server()
+    server.add(router_pb2_grpc.add_TandemServicer_to_server, router,
+               router_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name)
+    port = server.start(args.host, args.port)
+    announce("router", grpc=f"{advertise_host(args)}:{port}")
+    serve_until_signalled(server, router, args.drain_timeout)
+    return 0

@@ -1,0 +1,278 @@
+"""The public gRPC service: validates and tokenizes, leases decode capacity, has a prefill worker compute the
+prompt and hand its state to that decode worker, then relays the decode stream.
+
+Order per request: Reserve on the decode worker with the most free capacity per request -> Prefill on the prefill
+worker with the fewest queued prompt tokens (the prefill worker pushes the state straight to the decode worker)
+-> the first token goes to the client -> the decode stream follows. The client's deadline bounds every call
+below it; a request that ends any other way than finishing (client cancel or disconnect, deadline, Abort,
+an error) is aborted on both workers, so nothing stays allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from router.workers import Worker, WorkerPool
+from tandem import __version__
+from tandem.config import ModelConfig
+from tandem.rpc import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from tandem.rpc.server import on_end
+from tandem.rpc.convert import sampling_from_proto, sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+MAX_REQUEST_ID = 256
+
+
+@dataclass
+class _Active:
+    """A request in flight, for Abort and for cleanup when its RPC ends."""
+
+    request_id: str
+    prefill: Worker | None = None
+    decode: Worker | None = None
+    stream: object = None
+    finished: bool = False
+    aborted: bool = False  # by the Abort RPC: the client gets a last message with finish reason abort
+    closed: bool = False  # the client's RPC has ended
+
+
+class _Detokenizer:
+    """Text deltas from a growing token list; holds back an incomplete UTF-8 sequence until it completes."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self.tok, self.skip, self.ids, self.sent = tokenizer, skip_special_tokens, [], 0
+
+    def add(self, ids: list[int], final: bool) -> str:
+        if self.tok is None:
+            return ""
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids, skip_special_tokens=self.skip)
+        end = len(text) if final or not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
+        delta, self.sent = text[self.sent:end], max(self.sent, end)
+        return delta
+
+
+class Router(router_pb2_grpc.TandemServicer):
+    def __init__(self, cfg: ModelConfig, model_name: str, max_model_len: int, num_speculative_tokens: int,
+                 prefill: WorkerPool, decode: WorkerPool, tokenizer=None, transfer_backend: str = "",
+                 queue_timeout: float = 60.0, metrics=None):
+        self.queue_timeout = queue_timeout
+        self.cfg, self.model_name, self.max_model_len = cfg, model_name, max_model_len
+        self.k, self.prefill, self.decode, self.tokenizer = num_speculative_tokens, prefill, decode, tokenizer
+        self.transfer_backend, self.metrics = transfer_backend, metrics
+        self._lock = threading.Lock()
+        self._active: dict[str, _Active] = {}
+        self.draining = False
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._active)
+
+    def stop(self) -> None:
+        self.prefill.stop()
+        self.decode.stop()
+
+    # ---- RPCs -------------------------------------------------------------------------------------------------
+    def Generate(self, request, context):
+        yield from self._generate(request, context)
+
+    def GenerateUnary(self, request, context):
+        out = router_pb2.GenerateResponse()
+        for m in self._generate(request, context):
+            out.request_id = m.request_id
+            out.token_ids.extend(m.token_ids)
+            out.text += m.text
+            out.logprobs.extend(m.logprobs)
+            out.finish_reason, out.prompt_tokens, out.completion_tokens = \
+                m.finish_reason, m.prompt_tokens, m.completion_tokens
+        return out
+
+    def Abort(self, request, context):
+        with self._lock:
+            state = self._active.get(request.request_id)
+        if state is not None:
+            state.aborted = True
+            self._abort_on([state.prefill, state.decode], state.request_id)
+        return router_pb2.AbortResponse(found=state is not None)
+
+    def GetModelInfo(self, request, context):
+        return router_pb2.ModelInfo(model_name=self.model_name, model_type=self.cfg.model_type,
+                                    vocab_size=self.cfg.vocab_size, max_model_len=self.max_model_len,
+                                    num_speculative_tokens=self.k, eos_token_ids=list(self.cfg.eos_token_ids))
+
+    def GetServerInfo(self, request, context):
+        for pool in (self.prefill, self.decode):
+            pool.refresh()
+        workers = [router_pb2.WorkerStatus(address=w.address, role=w.role, healthy=w.healthy, load=w.load)
+                   for pool in (self.prefill, self.decode) for w in pool.all()]
+        return router_pb2.ServerInfo(version=__version__, transfer_backend=self.transfer_backend, workers=workers,
+                                     prefill_workers=[w.address for w in self.prefill.all()],
+                                     decode_workers=[w.address for w in self.decode.all()])
+
+    # ---- validation -------------------------------------------------------------------------------------------
+    def _validate(self, request, context):
+        def bad(msg):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
+
+        if len(request.request_id) > MAX_REQUEST_ID:
+            bad(f"request_id is longer than {MAX_REQUEST_ID} characters")
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            bad("a prompt is required: set text or token_ids")
+        if kind == "text":
+            if self.tokenizer is None:
+                bad("this model has no tokenizer: send token_ids instead of text")
+            prompt = self.tokenizer.encode(request.text)
+        else:
+            prompt = list(request.token_ids.ids)
+        if not prompt:
+            bad("the prompt is empty")
+        over = [t for t in prompt if t >= self.cfg.vocab_size]
+        if over:
+            bad(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {over[:5]}")
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            bad(f"sampling: {e}")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            bad(f"sampling: logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
+        if any(t >= self.cfg.vocab_size for t in params.stop_token_ids):
+            bad(f"sampling: stop_token_ids out of range [0, {self.cfg.vocab_size})")
+        if len(prompt) + params.max_tokens + self.k > self.max_model_len:
+            bad(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens})"
+                f"{f' + {self.k} speculative' if self.k else ''} exceeds max_model_len ({self.max_model_len})")
+        if request.stop:
+            bad("stop strings are not supported yet; use sampling.stop_token_ids")
+        return request.request_id or uuid.uuid4().hex, prompt, params
+
+    # ---- one request ------------------------------------------------------------------------------------------
+    def _generate(self, request, context):
+        if self.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the router is draining")
+        rid, prompt, params = self._validate(request, context)
+        state = _Active(rid)
+        with self._lock:
+            if rid in self._active:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in flight")
+            self._active[rid] = state
+        on_end(context, lambda: self._end(state))
+        detok = _Detokenizer(self.tokenizer, request.skip_special_tokens)
+
+        def message(ids, logprobs, reason, n):
+            state.finished = reason != common_pb2.FINISH_REASON_UNSPECIFIED
+            return router_pb2.GenerateResponse(request_id=rid, token_ids=ids, logprobs=logprobs,
+                                               text=detok.add(list(ids), state.finished), finish_reason=reason,
+                                               prompt_tokens=len(prompt), completion_tokens=n)
+
+        def aborted():
+            return message([], [], common_pb2.FINISH_REASON_ABORT, 0)
+
+        try:
+            lease = self._reserve(state, prompt, params, context)
+            first = self._prefill(state, prompt, params, lease, context) if not state.aborted else None
+            if state.closed:  # the client left while a worker call was under way: free what that call took
+                self._abort_on([state.decode], rid)
+                return
+            if state.aborted or first.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                yield aborted()
+                return
+            lps = [first.first_logprobs] if params.logprobs is not None else []
+            yield message([first.first_token_id], lps, first.finish_reason, 1)
+            if state.finished:  # the first token ended it: give the lease back
+                self._abort_on([state.decode], rid)
+                return
+            state.stream = state.decode.stub.Decode(worker_pb2.DecodeRequest(request_id=rid, lease_id=lease.lease_id),
+                                                    timeout=context.time_remaining())
+            n = 1
+            for m in state.stream:
+                n += len(m.token_ids)
+                yield message(m.token_ids, m.logprobs, m.finish_reason, n)
+        except grpc.RpcError as e:
+            if state.aborted:
+                yield aborted()
+            elif context.is_active():
+                context.abort(e.code(), e.details() or str(e.code()))
+        finally:
+            if state.decode is not None:
+                state.decode.inflight_requests -= 1
+
+    def _reserve(self, state: _Active, prompt, params, context):
+        """Leases capacity on the best decode worker; while all are full the request waits here (bounded by its
+        deadline and the queue timeout), as it would wait in a colocated engine's queue."""
+        req = worker_pb2.ReserveRequest(request_id=state.request_id, prompt_token_ids=prompt,
+                                        sampling=sampling_to_proto(params))
+        give_up = time.monotonic() + self.queue_timeout
+        while True:
+            candidates = self.decode.candidates()
+            if not candidates:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+            for w in candidates:
+                try:
+                    lease = w.stub.Reserve(req, timeout=_bounded(context, 10.0))
+                except grpc.RpcError as e:
+                    if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                        continue
+                    raise
+                state.decode = w
+                w.inflight_requests += 1
+                return lease
+            if time.monotonic() > give_up or state.aborted or not context.is_active():
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"every decode worker stayed full for {self.queue_timeout:.0f} s; retry later")
+            time.sleep(0.01 + 0.02 * random.random())
+
+    def _prefill(self, state: _Active, prompt, params, lease, context):
+        req = worker_pb2.PrefillRequest(request_id=state.request_id, prompt_token_ids=prompt,
+                                        sampling=sampling_to_proto(params), lease=lease)
+        candidates = self.prefill.candidates()
+        if not candidates:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        last = None
+        for w in candidates:
+            state.prefill = w
+            w.inflight_requests += 1
+            w.inflight_prompt_tokens += len(prompt)
+            try:
+                return w.stub.Prefill(req, timeout=context.time_remaining())
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:  # the worker could not be reached: try another
+                    raise
+                last = e
+            finally:
+                w.inflight_requests -= 1
+                w.inflight_prompt_tokens -= len(prompt)
+                state.prefill = None
+        raise last
+
+    # ---- ends -------------------------------------------------------------------------------------------------
+    def _end(self, state: _Active) -> None:
+        """Runs when the client's RPC ends, however it ends."""
+        state.closed = True
+        if not state.finished:
+            self._abort_on([state.prefill, state.decode], state.request_id)
+        with self._lock:
+            self._active.pop(state.request_id, None)
+
+    @staticmethod
+    def _abort_on(workers: list[Worker | None], request_id: str) -> None:
+        req = worker_pb2.WorkerAbortRequest(request_id=request_id)
+        for w in workers:
+            if w is not None:
+                try:
+                    w.stub.Abort(req, timeout=5.0)
+                except grpc.RpcError as e:
+                    log.warning("abort of %s on %s failed: %s", request_id, w.address, e.code())
+
+
+def _bounded(context, cap: float) -> float:
+    remaining = context.time_remaining()
+    return cap if remaining is None else min(cap, remaining)

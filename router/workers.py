@@ -1,0 +1,108 @@
+"""The router's view of its workers: addresses from flags or a DNS name (a Kubernetes headless Service, re-resolved
+periodically), health and load from polling each worker's GetLoad, and what the router itself has in flight
+there (fresher than the last poll)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.rpc.server import channel_options
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    address: str
+    role: str
+    stub: object
+    channel: grpc.Channel
+    healthy: bool = False
+    load: common_pb2.Load = field(default_factory=common_pb2.Load)
+    inflight_requests: int = 0
+    inflight_prompt_tokens: int = 0
+
+
+def resolve(dns: str) -> list[str]:
+    """"name:port" -> one "ip:port" per address the name resolves to (empty when it does not resolve)."""
+    host, port = dns.rsplit(":", 1)
+    try:
+        infos = socket.getaddrinfo(host, int(port), proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return []
+    return sorted({f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos})
+
+
+class WorkerPool:
+    def __init__(self, role: str, addresses: list[str], dns: str | None, poll_seconds: float = 1.0):
+        if not addresses and not dns:
+            raise ValueError(f"no {role} workers: give addresses or a DNS name")
+        self.role, self._static, self._dns, self._poll = role, list(addresses), dns, poll_seconds
+        self._stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+        self._lock = threading.Lock()
+        self.workers: dict[str, Worker] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{role}-pool", daemon=True)
+
+    def start(self) -> "WorkerPool":
+        self.refresh()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with self._lock:
+            for w in self.workers.values():
+                w.channel.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Re-resolves the worker list, then polls every worker's load (a failed poll marks it unhealthy)."""
+        addresses = set(self._static) | (set(resolve(self._dns)) if self._dns else set())
+        with self._lock:
+            for gone in set(self.workers) - addresses:
+                self.workers.pop(gone).channel.close()
+            for a in addresses - set(self.workers):
+                ch = grpc.insecure_channel(a, options=channel_options())
+                self.workers[a] = Worker(a, self.role, self._stub_cls(ch), ch)
+            workers = list(self.workers.values())
+        for w in workers:
+            try:
+                w.load = w.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=max(self._poll, 1.0))
+                if not w.healthy:
+                    log.info("%s worker %s is healthy", self.role, w.address)
+                w.healthy = True
+            except grpc.RpcError as e:
+                if w.healthy:
+                    log.warning("%s worker %s is unhealthy: %s", self.role, w.address, e.code())
+                w.healthy = False
+
+    def candidates(self) -> list[Worker]:
+        """Healthy workers, best first: a prefill worker by queued prompt tokens, a decode worker by free KV
+        blocks and state slots (as fractions) and running requests."""
+        with self._lock:
+            ws = [w for w in self.workers.values() if w.healthy]
+        if self.role == "prefill":
+            return sorted(ws, key=lambda w: (w.inflight_prompt_tokens + w.load.queued_prompt_tokens,
+                                             w.inflight_requests))
+
+        def cost(w):  # requests per unit of free capacity: spreads load, avoids nearly full workers
+            ld = w.load
+            kv = ld.free_kv_blocks / ld.total_kv_blocks if ld.total_kv_blocks else 0.0
+            slots = ld.free_state_slots / ld.total_state_slots if ld.total_state_slots else 0.0
+            return (1 + w.inflight_requests + ld.running_requests) / max(min(kv, slots), 1e-3)
+        return sorted(ws, key=cost)
+
+    def all(self) -> list[Worker]:
+        with self._lock:
+            return list(self.workers.values())

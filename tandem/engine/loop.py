@@ -1,0 +1,92 @@
+"""Runs an Engine on one thread: the engine is not thread-safe, so RPC threads hand it work as functions.
+
+Between steps the loop runs queued calls, then `periodic()` (lease expiry and such), then one `engine.step()`,
+then `after_step(active, finished)` where `active` are the requests that were running during the step. A
+failing step is reported through `on_error(exc, active)` so that the requests in it end with an error instead
+of hanging, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine, after_step, on_error, periodic=None, idle_wait: float = 0.02):
+        self.engine = engine
+        self._after_step, self._on_error, self._periodic = after_step, on_error, periodic
+        self._idle_wait = idle_wait
+        self._calls: deque[tuple[Future, callable]] = deque()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def submit(self, fn) -> Future:
+        """Runs `fn(engine)` on the loop thread; the future holds its result or its exception."""
+        fut: Future = Future()
+        with self._cond:
+            if self._stopped:
+                fut.set_exception(RuntimeError("the engine is stopped"))
+                return fut
+            self._calls.append((fut, fn))
+            self._cond.notify()
+        return fut
+
+    def call(self, fn, timeout: float | None = 30.0):
+        return self.submit(fn).result(timeout)
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._cond:
+                if not self._calls:
+                    return
+                fut, fn = self._calls.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # handed back to the caller
+                fut.set_exception(e)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped:
+                    break
+            self._run_calls()
+            if self._periodic is not None:
+                self._periodic()
+            if not self.engine.has_work():
+                with self._cond:
+                    if not self._calls and not self._stopped:
+                        self._cond.wait(self._idle_wait)
+                continue
+            active = list(self.engine.scheduler.running)
+            try:
+                finished = self.engine.step()
+            except Exception as e:
+                log.exception("engine step failed")
+                self._on_error(e, active)
+                continue
+            self._after_step(active, finished)
+        # fail what is still queued so no caller waits forever
+        with self._cond:
+            calls, self._calls = list(self._calls), deque()
+        for fut, _ in calls:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the engine is stopped"))

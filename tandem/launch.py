@@ -1,0 +1,133 @@
+"""`tandem serve`: router + N prefill + M decode workers as local processes, stopped together.
+
+Each worker listens on a free port and announces it on stdout (`TANDEM <role> grpc=... `); the router is
+started once every worker has announced itself. Ctrl-C or SIGTERM drains and stops the router first, then the
+workers; a child that does not stop in time is killed. If any child dies, everything is stopped.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+START_TIMEOUT = 300.0
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str]):
+        self.name = name
+        self.announced: queue.Queue = queue.Queue()
+        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        """Forwards the child's output, prefixed; hands its announcement line to whoever waits for it."""
+        for line in self.proc.stdout:
+            if line.startswith("TANDEM "):
+                self.announced.put(dict(kv.split("=", 1) for kv in line.split()[2:]))
+            else:
+                sys.stderr.write(f"[{self.name}] {line}")
+
+    def wait_announced(self, deadline: float) -> dict:
+        while True:
+            try:
+                return self.announced.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was ready")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} was not ready within {START_TIMEOUT:.0f} s")
+
+
+def _engine_argv(args) -> list[str]:
+    argv = ["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--max-model-len",
+            str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
+            "--num-speculative-tokens", str(args.num_speculative_tokens), "--log-level", args.log_level]
+    if args.num_kv_blocks:
+        argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.emulated_acceptance:
+        argv += ["--emulated-acceptance", args.emulated_acceptance]
+    return argv
+
+
+def serve(args) -> int:
+    gpus = torch.cuda.device_count()
+    children: list[Child] = []
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        workers = {"prefill": [], "decode": []}
+        for role, n in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
+            for i in range(n):
+                device = args.device or (f"cuda:{len(children) % gpus}" if gpus else "cpu")
+                argv = [f"{role}-worker", *_engine_argv(args), "--device", device, "--host", args.host, "--port", "0"]
+                if role == "decode":
+                    argv += ["--transfer-port", "0"]
+                else:
+                    argv += ["--transfer-backend", args.transfer_backend]
+                    if args.inject_fault:
+                        argv += ["--inject-fault", args.inject_fault]
+                children.append(Child(f"{role}-{i}", argv))
+                workers[role].append(children[-1])
+        addresses = {role: [c.wait_announced(deadline)["grpc"] for c in cs] for role, cs in workers.items()}
+        router = Child("router", ["router", "--model", args.model, "--max-model-len", str(args.max_model_len),
+                                  "--num-speculative-tokens", str(args.num_speculative_tokens), "--host", args.host,
+                                  "--port", str(args.port), "--log-level", args.log_level,
+                                  "--prefill-workers", ",".join(addresses["prefill"]),
+                                  "--decode-workers", ",".join(addresses["decode"])])
+        children.insert(0, router)
+        where = router.wait_announced(deadline)["grpc"]
+        print(f"Tandem is serving {args.model} at grpc://{where}  (prefill workers: {', '.join(addresses['prefill'])};"
+              f" decode workers: {', '.join(addresses['decode'])}). Ctrl-C stops.", flush=True)
+        print(f"TANDEM serve grpc={where}", flush=True)
+        while not stopping.wait(0.2):
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                print(f"{dead[0].name} exited with code {dead[0].proc.returncode}; stopping", file=sys.stderr)
+                return 1
+        return 0
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        _stop_all(children, args.drain_timeout)
+
+
+def _stop_all(children: list[Child], drain_timeout: float) -> None:
+    """Router first (it drains its requests), then the workers; kill whatever outlives its grace."""
+    for group in (children[:1], children[1:]):
+        for c in group:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + drain_timeout + 5
+        for c in group:
+            try:
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def add_args(ap) -> None:
+    from tandem.transfer.base import BACKENDS
+    from tandem.worker_setup import add_engine_args
+
+    add_engine_args(ap)
+    ap.add_argument("--prefill-workers", type=int, default=1)
+    ap.add_argument("--decode-workers", type=int, default=1)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=50051, help="the router's gRPC port (0: any free port)")
+    ap.add_argument("--transfer-backend", default="auto", choices=("auto", *BACKENDS))
+    ap.add_argument("--drain-timeout", type=float, default=30.0)
+    ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers)")

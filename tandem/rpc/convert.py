@@ -1,0 +1,49 @@
+"""Between the wire messages and the engine's types: sampling parameters, logprobs, finish reasons."""
+
+from __future__ import annotations
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.rpc import common_pb2
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take vLLM's defaults; raises ValueError (with the field named) for a bad value."""
+    defaults = SamplingParams()
+
+    def opt(name):
+        return getattr(m, name) if m.HasField(name) else getattr(defaults, name)
+
+    return SamplingParams(
+        max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_k=m.top_k, top_p=opt("top_p"),
+        min_p=m.min_p, seed=m.seed if m.HasField("seed") else None, repetition_penalty=opt("repetition_penalty"),
+        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
+        logprobs=m.logprobs if m.HasField("logprobs") else None, stop_token_ids=list(m.stop_token_ids),
+        ignore_eos=m.ignore_eos, min_tokens=m.min_tokens)
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    m = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens)
+    if p.seed is not None:
+        m.seed = p.seed
+    if p.logprobs is not None:
+        m.logprobs = p.logprobs
+    return m
+
+
+def logprobs_to_proto(d: dict[int, float] | None) -> common_pb2.TokenLogprobs:
+    d = d or {}
+    return common_pb2.TokenLogprobs(token_ids=list(d), logprobs=list(d.values()))
+
+
+def finish_reason_to_proto(reason: str | None) -> int:
+    return FINISH_REASONS.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED) if reason else 0

@@ -1,0 +1,97 @@
+"""What every server process shares: engine flags, building the engine, the model fingerprint, and running a
+gRPC server until SIGTERM/SIGINT with a drain (readiness off, no new work, in-flight work finishes)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.model.presets import PRESETS, preset_config
+
+log = logging.getLogger(__name__)
+
+
+def add_engine_args(ap) -> None:
+    ap.add_argument("--model", default="tiny-moe", help="checkpoint directory or preset name")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when available)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--num-speculative-tokens", type=int, default=2, help="MTP drafts per step (0: off)")
+    ap.add_argument("--emulated-acceptance", default=None,
+                    help="benchmarks only: comma-separated acceptance probability per draft position")
+
+
+def add_server_args(ap, port: int) -> None:
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    ap.add_argument("--port", type=int, default=port, help="gRPC port (0: any free port)")
+    ap.add_argument("--advertise-host", default=None, help="host others use to reach this process "
+                    "(default: --host, or the pod IP when listening on 0.0.0.0)")
+    ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight work gets on SIGTERM")
+    ap.add_argument("--log-level", default="INFO")
+
+
+def engine_config(args) -> EngineConfig:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                        num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=device,
+                        emulated_acceptance=tuple(float(r) for r in args.emulated_acceptance.split(","))
+                        if args.emulated_acceptance else None)
+
+
+def model_config(model: str) -> ModelConfig:
+    return ModelConfig.from_dir(model) if os.path.isdir(model) else preset_config(model)
+
+
+def fingerprint(args) -> str:
+    """Same on a prefill and a decode worker exactly when their caches mean the same thing."""
+    from tandem.transfer.manifest import model_fingerprint
+
+    if os.path.isdir(args.model):
+        with open(os.path.join(args.model, "config.json")) as f:
+            raw, model_id = json.load(f), os.path.basename(os.path.normpath(args.model))
+    else:
+        raw, model_id = PRESETS[args.model], f"{args.model}@seed{args.seed}"
+    return model_fingerprint(raw, args.dtype, args.block_size, model_id)
+
+
+def advertise_host(args) -> str:
+    if args.advertise_host:
+        return args.advertise_host
+    if args.host in ("0.0.0.0", "::", ""):
+        return os.environ.get("POD_IP") or "127.0.0.1"
+    return args.host
+
+
+def announce(role: str, **addresses) -> None:
+    """The line `tandem serve` (and people) read to learn where a process listens."""
+    print(f"TANDEM {role} " + " ".join(f"{k}={v}" for k, v in addresses.items()), flush=True)
+
+
+def serve_until_signalled(server, service, drain_timeout: float) -> None:
+    """Blocks until SIGTERM/SIGINT; then drains: readiness off and `service.draining` set (new work is refused
+    with UNAVAILABLE), waits while `service.busy()` for at most `drain_timeout`, stops the server and the service."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("draining (at most %.0f s)", drain_timeout)
+    service.draining = True
+    server.set_serving(False)
+    deadline = time.monotonic() + drain_timeout
+    while service.busy() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop(grace=1.0)
+    service.stop()
