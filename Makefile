@@ -18,8 +18,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# router + 1 prefill + 1 decode worker (separate processes), one request through them, then a clean shutdown
+PORT ?= 50051
+MODEL ?= tiny-moe
 run: $(STAMP)
-	$(BIN)/tandem generate --model tiny-moe --prompt-token-ids 1,2,3,4,5 --max-tokens 16
+	@$(BIN)/tandem serve --model $(MODEL) --port $(PORT) --metrics-port 0 & pid=$$!; \
+	trap 'kill -TERM $$pid 2>/dev/null; wait $$pid' EXIT; \
+	$(BIN)/tandem request --address 127.0.0.1:$(PORT) --prompt-token-ids 1,2,3,4,5 --max-tokens 16 --wait 300
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

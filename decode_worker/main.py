@@ -9,7 +9,7 @@ from tandem.engine.llm import Engine, load_model
 from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import Server
 from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, engine_config,
-                                 fingerprint, serve_until_signalled)
+                                 fingerprint, serve_until_signalled, start_metrics)
 
 
 def add_args(ap) -> None:
@@ -24,12 +24,14 @@ def main(args) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s decode %(levelname)s %(message)s")
     ecfg = engine_config(args)
     cfg, model, _ = load_model(args.model, ecfg.device, ecfg.dtype, args.seed)
+    metrics, metrics_address = start_metrics(args, "decode")
     worker = DecodeWorker(Engine(cfg, model, ecfg), fingerprint(args), args.host, args.transfer_port,
-                          advertise_host(args), lease_seconds=args.lease_seconds).start()
+                          advertise_host(args), lease_seconds=args.lease_seconds, metrics=metrics).start()
     server = Server()
     server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, worker,
                worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
     port = server.start(args.host, args.port)
-    announce("decode-worker", grpc=f"{advertise_host(args)}:{port}", transfer=worker.transfer_address)
+    announce("decode-worker", grpc=f"{advertise_host(args)}:{port}", transfer=worker.transfer_address,
+             metrics=metrics_address)
     serve_until_signalled(server, worker, args.drain_timeout)
     return 0

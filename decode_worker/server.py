@@ -26,6 +26,7 @@ import torch
 from tandem.cache.handoff import expected_shapes
 from tandem.engine.loop import EngineLoop
 from tandem.engine.sequence import Sequence, Status
+from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import on_end
 from tandem.rpc.convert import finish_reason_to_proto, logprobs_to_proto, sampling_from_proto
@@ -53,6 +54,7 @@ class LeaseRecord:
     stage: str = "reserved"  # reserved -> transferring -> installed (-> finished, when no stream is attached yet)
     attached: bool = False
     emitted: int = 0  # output tokens already put in the channel (the first came from the prefill worker)
+    installed_at: float = 0.0
     channel: queue.Queue = field(default_factory=queue.Queue)
 
 
@@ -68,6 +70,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
                                        self._on_payload)
         self._advertise_host = advertise_host
         self.draining = False
+        self._spec_seen = (0, 0, [0] * engine.ecfg.num_speculative_tokens)
 
     def start(self) -> "DecodeWorker":
         self.transfer.start()
@@ -192,6 +195,10 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
             lps = seq.output_logprobs[rec.emitted:] if seq.params.logprobs is not None else []
             rec.emitted = len(seq.output_token_ids)
             done = seq.finish_reason if seq.status == Status.FINISHED else None
+            if self.metrics is not None:
+                self.metrics.generation_tokens_total.inc(len(new))
+                if done:
+                    self.metrics.request_decode_time_seconds.observe(time.monotonic() - rec.installed_at)
             if new or done:
                 rec.channel.put(Output(new, lps, done))
             if done:
@@ -201,7 +208,17 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
                         continue
                 self._forget(rec)
         if self.metrics is not None:
-            self.metrics.observe_engine(self.engine)
+            observe_engine(self.metrics, self.engine)
+            self._record_speculation()
+
+    def _record_speculation(self) -> None:
+        """Adds what the engine's cumulative speculation counters gained in this step."""
+        st, last = self.engine.spec_stats, self._spec_seen
+        now = (st.num_drafts, st.num_draft_tokens, list(st.accepted_per_position))
+        if now[0] != last[0]:
+            self.metrics.record_spec_decode(now[0] - last[0], now[1] - last[1],
+                                            [a - b for a, b in zip(now[2], last[2])])
+            self._spec_seen = now
 
     def _on_error(self, exc: Exception, active: list[Sequence]) -> None:
         for seq in active:
@@ -246,8 +263,10 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
                 raise TransferRejected("the request was aborted during the hand-off")
             engine.install_prefilled(rec.seq, int(meta["first_token"]), first_lp, list(meta["drafts"]), tensors,
                                      rng)
-            rec.stage, rec.emitted = "installed", 1
+            rec.stage, rec.emitted, rec.installed_at = "installed", 1, time.monotonic()
             rec.expires = time.monotonic() + self.lease_seconds  # now the router has this long to attach
 
         self.loop.call(install)
         self._gauge_leases()
+        if self.metrics is not None:
+            self.metrics.handoff_bytes_total.inc(manifest.total_bytes)

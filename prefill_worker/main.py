@@ -10,7 +10,7 @@ from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import Server
 from tandem.transfer.base import BACKENDS
 from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, engine_config,
-                                 fingerprint, serve_until_signalled)
+                                 fingerprint, serve_until_signalled, start_metrics)
 
 
 def add_args(ap) -> None:
@@ -27,12 +27,14 @@ def main(args) -> int:
     backend = args.transfer_backend
     if backend == "auto":
         backend = "tcp" if ecfg.device == "cpu" else "cuda_ipc"
+    metrics, metrics_address = start_metrics(args, "prefill")
     worker = PrefillWorker(Engine(cfg, model, ecfg, prefill_only=True), fingerprint(args), backend,
-                           args.inject_fault).start()
+                           args.inject_fault, metrics).start()
     server = Server()
     server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, worker,
                worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)
     port = server.start(args.host, args.port)
-    announce("prefill-worker", grpc=f"{advertise_host(args)}:{port}", transfer_backend=backend)
+    announce("prefill-worker", grpc=f"{advertise_host(args)}:{port}", transfer_backend=backend,
+             metrics=metrics_address)
     serve_until_signalled(server, worker, args.drain_timeout)
     return 0

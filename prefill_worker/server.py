@@ -19,6 +19,7 @@ import grpc
 
 from tandem.engine.llm import PrefilledRequest
 from tandem.engine.loop import EngineLoop
+from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import on_end
 from tandem.rpc.convert import finish_reason_to_proto, logprobs_to_proto, sampling_from_proto
@@ -158,20 +159,28 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
             self._count_failure("transport")
             context.abort(grpc.StatusCode.UNAVAILABLE, f"hand-off to {lease.transfer_address} failed: {e}")
         if self.metrics is not None:
-            self.metrics.handoff_bytes_total.inc(nbytes)
-            self.metrics.handoff_seconds.observe(seconds)
+            self.metrics.handoff_done(nbytes, seconds)
         return self._response(seq, None, nbytes, seconds)
 
     def _count_failure(self, reason: str) -> None:
         if self.metrics is not None:
-            self.metrics.handoff_failures_total.labels(reason=reason).inc()
+            self.metrics.handoff_failed(reason)
 
     # ---- engine thread ----------------------------------------------------------------------------------------
     def _after_step(self, active, finished) -> None:
+        done = list(finished)
         for seq in finished:
             self._resolve(seq.request_id, seq)
         for h in self.engine.take_prefilled():
             self._resolve(h.seq.request_id, h)
+            done.append(h.seq)
+        if self.metrics is not None:
+            now = time.monotonic()
+            for seq in done:
+                self.metrics.prompt_tokens_total.inc(len(seq.prompt_token_ids))
+                self.metrics.request_queue_time_seconds.observe(seq.scheduled_time - seq.arrival_time)
+                self.metrics.request_prefill_time_seconds.observe(now - seq.scheduled_time)
+            observe_engine(self.metrics, self.engine)
 
     def _on_error(self, exc: Exception, active) -> None:
         with self._lock:

@@ -10,7 +10,8 @@ from router.workers import WorkerPool
 from tandem.rpc import router_pb2, router_pb2_grpc
 from tandem.rpc.server import Server
 from tandem.tokenizer import load_tokenizer
-from tandem.worker_setup import add_server_args, advertise_host, announce, model_config, serve_until_signalled
+from tandem.worker_setup import (add_server_args, advertise_host, announce, model_config, serve_until_signalled,
+                                 start_metrics)
 
 
 def _list(s: str | None) -> list[str]:
@@ -27,20 +28,25 @@ def add_args(ap) -> None:
     ap.add_argument("--prefill-dns", default=None, help="name:port re-resolved for prefill workers (headless Service)")
     ap.add_argument("--decode-dns", default=None, help="name:port re-resolved for decode workers (headless Service)")
     ap.add_argument("--poll-seconds", type=float, default=1.0, help="worker discovery and health-check period")
+    ap.add_argument("--queue-timeout", type=float, default=60.0,
+                    help="seconds a request may wait for decode capacity before RESOURCE_EXHAUSTED")
 
 
 def main(args) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = model_config(args.model)
-    prefill = WorkerPool("prefill", _list(args.prefill_workers), args.prefill_dns, args.poll_seconds).start()
-    decode = WorkerPool("decode", _list(args.decode_workers), args.decode_dns, args.poll_seconds).start()
+    metrics, metrics_address = start_metrics(args, "router")
+    prefill = WorkerPool("prefill", _list(args.prefill_workers), args.prefill_dns, args.poll_seconds,
+                         metrics).start()
+    decode = WorkerPool("decode", _list(args.decode_workers), args.decode_dns, args.poll_seconds, metrics).start()
     tokenizer = load_tokenizer(args.model if os.path.isdir(args.model) else None)
     router = Router(cfg, os.path.basename(os.path.normpath(args.model)), args.max_model_len,
-                    args.num_speculative_tokens, prefill, decode, tokenizer)
+                    args.num_speculative_tokens, prefill, decode, tokenizer, queue_timeout=args.queue_timeout,
+                    metrics=metrics)
     server = Server()
     server.add(router_pb2_grpc.add_TandemServicer_to_server, router,
                router_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name)
     port = server.start(args.host, args.port)
-    announce("router", grpc=f"{advertise_host(args)}:{port}")
+    announce("router", grpc=f"{advertise_host(args)}:{port}", metrics=metrics_address)
     serve_until_signalled(server, router, args.drain_timeout)
     return 0

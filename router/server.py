@@ -43,6 +43,7 @@ class _Active:
     finished: bool = False
     aborted: bool = False  # by the Abort RPC: the client gets a last message with finish reason abort
     closed: bool = False  # the client's RPC has ended
+    metrics: _RequestMetrics | None = None
 
 
 class _Detokenizer:
@@ -59,6 +60,40 @@ class _Detokenizer:
         end = len(text) if final or not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
         delta, self.sent = text[self.sent:end], max(self.sent, end)
         return delta
+
+
+_REASON_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                 common_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+class _RequestMetrics:
+    """One request's latencies for the router's metrics; every method is a no-op without metrics."""
+
+    def __init__(self, metrics, prompt_tokens: int):
+        self.m, self.prompt_tokens = metrics, prompt_tokens
+        self.start, self.last, self.done = time.monotonic(), None, False
+        if self.m is not None:
+            self.m.num_requests_running.inc()
+
+    def tokens(self, n: int) -> None:
+        if self.m is None or n == 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.m.time_to_first_token_seconds.observe(now - self.start)
+            self.m.prompt_tokens_total.inc(self.prompt_tokens)
+        else:
+            self.m.inter_token_latency_seconds.observe(now - self.last)
+        self.last = now
+        self.m.generation_tokens_total.inc(n)
+
+    def finished(self, reason: str) -> None:
+        """The first call counts (an error is not counted again as an abort when the RPC ends)."""
+        if self.m is None or self.done:
+            return
+        self.done = True
+        self.m.num_requests_running.dec()
+        self.m.request_finished(reason, e2e=time.monotonic() - self.start)
 
 
 class Router(router_pb2_grpc.TandemServicer):
@@ -164,11 +199,15 @@ class Router(router_pb2_grpc.TandemServicer):
             if rid in self._active:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in flight")
             self._active[rid] = state
+        state.metrics = timing = _RequestMetrics(self.metrics, len(prompt))
         on_end(context, lambda: self._end(state))
         detok = _Detokenizer(self.tokenizer, request.skip_special_tokens)
 
         def message(ids, logprobs, reason, n):
             state.finished = reason != common_pb2.FINISH_REASON_UNSPECIFIED
+            timing.tokens(len(ids))
+            if state.finished:
+                timing.finished(_REASON_NAMES[reason])
             return router_pb2.GenerateResponse(request_id=rid, token_ids=ids, logprobs=logprobs,
                                                text=detok.add(list(ids), state.finished), finish_reason=reason,
                                                prompt_tokens=len(prompt), completion_tokens=n)
@@ -200,6 +239,7 @@ class Router(router_pb2_grpc.TandemServicer):
             if state.aborted:
                 yield aborted()
             elif context.is_active():
+                timing.finished("error")
                 context.abort(e.code(), e.details() or str(e.code()))
         finally:
             if state.decode is not None:
@@ -210,25 +250,32 @@ class Router(router_pb2_grpc.TandemServicer):
         deadline and the queue timeout), as it would wait in a colocated engine's queue."""
         req = worker_pb2.ReserveRequest(request_id=state.request_id, prompt_token_ids=prompt,
                                         sampling=sampling_to_proto(params))
-        give_up = time.monotonic() + self.queue_timeout
-        while True:
-            candidates = self.decode.candidates()
-            if not candidates:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
-            for w in candidates:
-                try:
-                    lease = w.stub.Reserve(req, timeout=_bounded(context, 10.0))
-                except grpc.RpcError as e:
-                    if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
-                        continue
-                    raise
-                state.decode = w
-                w.inflight_requests += 1
-                return lease
-            if time.monotonic() > give_up or state.aborted or not context.is_active():
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"every decode worker stayed full for {self.queue_timeout:.0f} s; retry later")
-            time.sleep(0.01 + 0.02 * random.random())
+        give_up, waiting = time.monotonic() + self.queue_timeout, False
+        try:
+            while True:
+                candidates = self.decode.candidates()
+                if not candidates:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+                for w in candidates:
+                    try:
+                        lease = w.stub.Reserve(req, timeout=_bounded(context, 10.0))
+                    except grpc.RpcError as e:
+                        if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                            continue
+                        raise
+                    state.decode = w
+                    w.inflight_requests += 1
+                    return lease
+                if time.monotonic() > give_up or state.aborted or not context.is_active():
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"every decode worker stayed full for {self.queue_timeout:.0f} s; retry later")
+                if not waiting and self.metrics is not None:
+                    self.metrics.num_requests_waiting.inc()
+                waiting = True
+                time.sleep(0.01 + 0.02 * random.random())
+        finally:
+            if waiting and self.metrics is not None:
+                self.metrics.num_requests_waiting.dec()
 
     def _prefill(self, state: _Active, prompt, params, lease, context):
         req = worker_pb2.PrefillRequest(request_id=state.request_id, prompt_token_ids=prompt,
@@ -259,6 +306,7 @@ class Router(router_pb2_grpc.TandemServicer):
         state.closed = True
         if not state.finished:
             self._abort_on([state.prefill, state.decode], state.request_id)
+        state.metrics.finished("abort")  # a client that went away; a no-op when already counted
         with self._lock:
             self._active.pop(state.request_id, None)
 

@@ -40,10 +40,11 @@ def resolve(dns: str) -> list[str]:
 
 
 class WorkerPool:
-    def __init__(self, role: str, addresses: list[str], dns: str | None, poll_seconds: float = 1.0):
+    def __init__(self, role: str, addresses: list[str], dns: str | None, poll_seconds: float = 1.0, metrics=None):
         if not addresses and not dns:
             raise ValueError(f"no {role} workers: give addresses or a DNS name")
         self.role, self._static, self._dns, self._poll = role, list(addresses), dns, poll_seconds
+        self.metrics = metrics
         self._stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         self._lock = threading.Lock()
         self.workers: dict[str, Worker] = {}
@@ -72,6 +73,8 @@ class WorkerPool:
         with self._lock:
             for gone in set(self.workers) - addresses:
                 self.workers.pop(gone).channel.close()
+                if self.metrics is not None:
+                    self.metrics.remove_worker(gone, self.role)
             for a in addresses - set(self.workers):
                 ch = grpc.insecure_channel(a, options=channel_options())
                 self.workers[a] = Worker(a, self.role, self._stub_cls(ch), ch)
@@ -86,6 +89,8 @@ class WorkerPool:
                 if w.healthy:
                     log.warning("%s worker %s is unhealthy: %s", self.role, w.address, e.code())
                 w.healthy = False
+            if self.metrics is not None:
+                self.metrics.set_worker_healthy(w.address, self.role, w.healthy)
 
     def candidates(self) -> list[Worker]:
         """Healthy workers, best first: a prefill worker by queued prompt tokens, a decode worker by free KV

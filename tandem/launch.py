@@ -70,7 +70,9 @@ def serve(args) -> int:
         for role, n in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
             for i in range(n):
                 device = args.device or (f"cuda:{len(children) % gpus}" if gpus else "cpu")
-                argv = [f"{role}-worker", *_engine_argv(args), "--device", device, "--host", args.host, "--port", "0"]
+                argv = [f"{role}-worker", *_engine_argv(args), "--device", device, "--host", args.host, "--port", "0",
+                        "--worker-name", f"{role}-{i}", "--drain-timeout", str(args.drain_timeout),
+                        *(["--metrics-port", "0"] if args.metrics else [])]
                 if role == "decode":
                     argv += ["--transfer-port", "0"]
                 else:
@@ -79,17 +81,24 @@ def serve(args) -> int:
                         argv += ["--inject-fault", args.inject_fault]
                 children.append(Child(f"{role}-{i}", argv))
                 workers[role].append(children[-1])
-        addresses = {role: [c.wait_announced(deadline)["grpc"] for c in cs] for role, cs in workers.items()}
+        announced = {role: [c.wait_announced(deadline) for c in cs] for role, cs in workers.items()}
+        addresses = {role: [a["grpc"] for a in anns] for role, anns in announced.items()}
         router = Child("router", ["router", "--model", args.model, "--max-model-len", str(args.max_model_len),
                                   "--num-speculative-tokens", str(args.num_speculative_tokens), "--host", args.host,
-                                  "--port", str(args.port), "--log-level", args.log_level,
+                                  "--port", str(args.port), "--log-level", args.log_level, "--worker-name", "router",
+                                  "--drain-timeout", str(args.drain_timeout),
+                                  *(["--metrics-port", str(args.metrics_port)] if args.metrics else []),
                                   "--prefill-workers", ",".join(addresses["prefill"]),
                                   "--decode-workers", ",".join(addresses["decode"])])
         children.insert(0, router)
-        where = router.wait_announced(deadline)["grpc"]
+        at = router.wait_announced(deadline)
+        where = at["grpc"]
+        metrics = [a["metrics"] for a in [at, *announced["prefill"], *announced["decode"]] if "metrics" in a]
         print(f"Tandem is serving {args.model} at grpc://{where}  (prefill workers: {', '.join(addresses['prefill'])};"
               f" decode workers: {', '.join(addresses['decode'])}). Ctrl-C stops.", flush=True)
-        print(f"TANDEM serve grpc={where}", flush=True)
+        if metrics:
+            print(f"Prometheus metrics: {', '.join(f'http://{m}/metrics' for m in metrics)}", flush=True)
+        print(f"TANDEM serve grpc={where}" + (f" metrics={','.join(metrics)}" if metrics else ""), flush=True)
         while not stopping.wait(0.2):
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:
@@ -129,5 +138,8 @@ def add_args(ap) -> None:
     ap.add_argument("--port", type=int, default=50051, help="the router's gRPC port (0: any free port)")
     ap.add_argument("--transfer-backend", default="auto", choices=("auto", *BACKENDS))
     ap.add_argument("--drain-timeout", type=float, default=30.0)
+    ap.add_argument("--metrics-port", type=int, default=9090, help="the router's /metrics port (workers take free "
+                    "ports; all are printed)")
+    ap.add_argument("--no-metrics", dest="metrics", action="store_false", help="serve no /metrics")
     ap.add_argument("--log-level", default="WARNING")
     ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers)")

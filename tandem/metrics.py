@@ -213,6 +213,15 @@ class Metrics:
         return sorted(n for s in _SPECS for n in _exported(s))
 
 
+def observe_engine(m: Metrics, engine) -> None:
+    """The gauges a worker reads off its engine after each step."""
+    sched, pools = engine.scheduler, engine.pools
+    m.num_requests_running.set(len(sched.running))
+    m.num_requests_waiting.set(len(sched.waiting))
+    m.kv_cache_usage_perc.set(pools.blocks.num_used / pools.blocks.capacity)
+    m.gdn_state_slot_usage_perc.set(pools.slots.num_used / pools.slots.capacity)
+
+
 def start_http_server(port: int, host: str = "0.0.0.0", registry: CollectorRegistry | None = None):
     """Serves `registry` at /metrics on a daemon thread; returns (server, thread). Port 0 picks a free port
     (`server.server_port`)."""

@@ -39,6 +39,10 @@ def add_server_args(ap, port: int) -> None:
     ap.add_argument("--advertise-host", default=None, help="host others use to reach this process "
                     "(default: --host, or the pod IP when listening on 0.0.0.0)")
     ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight work gets on SIGTERM")
+    ap.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any free port; "
+                    "default: none)")
+    ap.add_argument("--worker-name", default=None, help="the `worker` label of this process's metrics "
+                    "(default: role-pid; the pod name in Kubernetes)")
     ap.add_argument("--log-level", default="INFO")
 
 
@@ -75,9 +79,21 @@ def advertise_host(args) -> str:
     return args.host
 
 
+def start_metrics(args, role: str):
+    """This process's Metrics, served at /metrics when --metrics-port is given; returns (metrics, address)."""
+    from tandem.metrics import Metrics
+
+    model_name = os.path.basename(os.path.normpath(args.model))
+    metrics = Metrics(model_name, args.worker_name or f"{role}-{os.getpid()}", role=role)
+    if args.metrics_port is None:
+        return metrics, None
+    server, _ = metrics.start_http_server(args.metrics_port, args.host)
+    return metrics, f"{advertise_host(args)}:{server.server_port}"
+
+
 def announce(role: str, **addresses) -> None:
     """The line `tandem serve` (and people) read to learn where a process listens."""
-    print(f"TANDEM {role} " + " ".join(f"{k}={v}" for k, v in addresses.items()), flush=True)
+    print(f"TANDEM {role} " + " ".join(f"{k}={v}" for k, v in addresses.items() if v), flush=True)
 
 
 def serve_until_signalled(server, service, drain_timeout: float) -> None:

@@ -21,7 +21,7 @@ class Cluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("TRITON_INTERPRET", None)  # the servers run the torch reference ops on CPU
         self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1",
-                                      "--port", "0", *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      "--port", "0", "--metrics-port", "0", *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         ready: queue.Queue = queue.Queue()
 
@@ -29,7 +29,7 @@ class Cluster:
             for line in self.proc.stdout:
                 self.log.append(line)
                 if line.startswith("TANDEM serve "):
-                    ready.put(line.split("grpc=", 1)[1].strip())
+                    ready.put(dict(kv.split("=", 1) for kv in line.split()[2:]))
             ready.put(None)
 
         threading.Thread(target=pump, daemon=True).start()
@@ -40,8 +40,9 @@ class Cluster:
         if address is None:
             self.stop()
             raise RuntimeError("tandem serve did not start:\n" + "".join(self.log[-50:]))
-        self.address = address
-        self.client = TandemClient(address)
+        self.address = address["grpc"]
+        self.metrics = address.get("metrics", "").split(",")  # router first, then prefill, then decode workers
+        self.client = TandemClient(self.address)
         self.client.wait_ready(60)
 
     def stop(self, timeout: float = 40.0) -> int:

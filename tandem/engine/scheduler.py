@@ -12,6 +12,7 @@ and `admit_prefilled` puts it straight into the running batch once its state has
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -68,6 +69,7 @@ class Scheduler:
             return False
         seq.block_ids = self.pools.blocks.allocate(need)
         seq.state_slots = self.pools.allocate_slots(n_slots)
+        seq.scheduled_time = time.monotonic()
         return True
 
     def _try_admit(self, seq: Sequence) -> bool:

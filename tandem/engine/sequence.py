@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from tandem.engine.sampling_params import SamplingParams
@@ -32,6 +33,9 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)  # MTP drafts to verify in the next step
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    # time.monotonic() stamps for the latency metrics
+    arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # blocks and slots allocated (admitted, or reserved)
 
     @property
     def token_ids(self) -> list[int]:

@@ -46,15 +46,18 @@ class Server:
         if not bound:
             raise OSError(f"cannot listen on {host}:{port}")
         self.grpc.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.set_serving(True)
         return bound
 
     def set_serving(self, serving: bool) -> None:
+        """Readiness: the service names. The empty name (liveness) stays SERVING through a drain, so Kubernetes
+        stops routing to a draining pod without restarting it."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in self._names:
             self.health.set(name, status)
-        self.health.set("", status)
 
     def stop(self, grace: float | None = None) -> None:
         self.set_serving(False)
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc.stop(grace).wait()
