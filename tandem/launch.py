@@ -7,6 +7,7 @@ workers; a child that does not stop in time is killed. If any child dies, everyt
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import subprocess
@@ -16,15 +17,18 @@ import time
 
 import torch
 
+from tandem.client import TandemClient
+
 START_TIMEOUT = 300.0
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str]):
+    def __init__(self, name: str, argv: list[str], own_session: bool = False):
         self.name = name
         self.announced: queue.Queue = queue.Queue()
         self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=own_session)
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -143,3 +147,47 @@ def add_args(ap) -> None:
     ap.add_argument("--no-metrics", dest="metrics", action="store_false", help="serve no /metrics")
     ap.add_argument("--log-level", default="WARNING")
     ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers)")
+
+
+class ServeProcess:
+    """`tandem serve` in a subprocess (its own session, so a kill reaches every child), ready when constructed;
+    for tests and benchmarks."""
+
+    def __init__(self, *flags: str, start_timeout: float = 180.0):
+        self.child = Child("serve", ["serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *flags],
+                           own_session=True)
+        self.proc = self.child.proc
+        try:
+            at = self.child.wait_announced(time.monotonic() + start_timeout)
+        except RuntimeError:
+            self.stop()
+            raise
+        self.address = at["grpc"]
+        self.metrics = at.get("metrics", "").split(",")  # router first, then prefill, then decode workers
+        self.client = TandemClient(self.address)
+        self.client.wait_ready(60)
+
+    def stop(self, timeout: float = 40.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if hasattr(self, "client"):
+            self.client.close()
+        return self.proc.returncode
+
+    def wait_idle(self, timeout: float = 15.0):
+        """Until every worker reports nothing in use (blocks, slots, leases, requests); returns the last report."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.client.server_info()
+            busy = [w for w in info.workers
+                    if w.load.free_kv_blocks != w.load.total_kv_blocks or w.load.active_leases
+                    or w.load.free_state_slots != w.load.total_state_slots or w.load.running_requests
+                    or w.load.waiting_requests]
+            if not busy or time.monotonic() > deadline:
+                return info
+            time.sleep(0.1)
