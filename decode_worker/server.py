@@ -29,7 +29,7 @@ from tandem.engine.sequence import Sequence, Status
 from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import on_end
-from tandem.rpc.convert import finish_reason_to_proto, logprobs_to_proto, sampling_from_proto
+from tandem.rpc.convert import finish_reason_to_proto, load_of, logprobs_to_proto, sampling_from_proto
 from tandem.transfer.base import TransferServer
 from tandem.transfer.errors import TransferRejected
 from tandem.transfer.manifest import unpack
@@ -143,11 +143,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         return self.load()
 
     def load(self) -> common_pb2.Load:
-        sched, pools = self.engine.scheduler, self.engine.pools
-        return common_pb2.Load(running_requests=len(sched.running), waiting_requests=len(sched.waiting),
-                               free_kv_blocks=pools.blocks.num_free, total_kv_blocks=pools.blocks.capacity,
-                               free_state_slots=pools.slots.num_free, total_state_slots=pools.slots.capacity,
-                               active_leases=len(sched.reserved))
+        return load_of(self.engine, active_leases=len(self.engine.scheduler.reserved))
 
     # ---- request ends -----------------------------------------------------------------------------------------
     def _abort(self, request_id: str, error: tuple[grpc.StatusCode, str] | None = None) -> bool:

@@ -22,7 +22,7 @@ from tandem.engine.loop import EngineLoop
 from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import on_end
-from tandem.rpc.convert import finish_reason_to_proto, logprobs_to_proto, sampling_from_proto
+from tandem.rpc.convert import finish_reason_to_proto, load_of, logprobs_to_proto, sampling_from_proto
 from tandem.transfer.base import TransferClient
 from tandem.transfer.errors import TransferError, TransferRejected
 from tandem.transfer.manifest import Manifest, checksum, pack
@@ -96,11 +96,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         return self.load()
 
     def load(self) -> common_pb2.Load:
-        sched, pools = self.engine.scheduler, self.engine.pools
-        return common_pb2.Load(running_requests=len(sched.running), waiting_requests=len(sched.waiting),
-                               queued_prompt_tokens=self._queued_tokens, free_kv_blocks=pools.blocks.num_free,
-                               total_kv_blocks=pools.blocks.capacity, free_state_slots=pools.slots.num_free,
-                               total_state_slots=pools.slots.capacity)
+        return load_of(self.engine, queued_prompt_tokens=self._queued_tokens)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _wait(self, done: Future, context):

@@ -47,3 +47,11 @@ def logprobs_to_proto(d: dict[int, float] | None) -> common_pb2.TokenLogprobs:
 
 def finish_reason_to_proto(reason: str | None) -> int:
     return FINISH_REASONS.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED) if reason else 0
+
+
+def load_of(engine, **extra) -> common_pb2.Load:
+    """A worker's Load as the router sees it: requests and free capacity of its engine (plus role extras)."""
+    sched, pools = engine.scheduler, engine.pools
+    return common_pb2.Load(running_requests=len(sched.running), waiting_requests=len(sched.waiting),
+                           free_kv_blocks=pools.blocks.num_free, total_kv_blocks=pools.blocks.capacity,
+                           free_state_slots=pools.slots.num_free, total_state_slots=pools.slots.capacity, **extra)
