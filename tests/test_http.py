@@ -1,0 +1,181 @@
+"""The OpenAI-compatible HTTP endpoint (router/http.py) in front of `tandem serve`, driven by the official `openai`
+client and by raw HTTP: completions and chat, streaming and not, n, logprobs, usage, stop, errors, disconnects.
+
+The model is a checkpoint directory: the tiny-moe preset's config, random weights in the official layout and a
+small byte-level BPE tokenizer (vocab 512) with a ChatML template, so the text and chat paths run for real."""
+
+import json
+import os
+from types import SimpleNamespace
+
+import openai
+import pytest
+import requests
+import torch
+from safetensors.torch import save_file
+
+from cluster import Cluster, assert_idle
+from router.http import start_http_server
+from tandem.model.presets import PRESETS, preset_config, random_model
+from tandem.tokenizer import load_tokenizer
+from test_detokenizer import byte_level_tokenizer
+
+ENGINE = ["--dtype", "float32", "--num-speculative-tokens", "2", "--block-size", "4", "--max-model-len", "256",
+          "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+MAX_MODEL_LEN = 256
+
+
+def make_text_model_dir(path) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(PRESETS["tiny-moe"], f)
+    model = random_model(preset_config("tiny-moe"), "cpu", torch.float32, seed=0)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"))
+    byte_level_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_text_model_dir(tmp_path_factory.mktemp("text-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    cluster = Cluster("--model", model_dir, "--served-model-name", "text-model", *ENGINE)  # the router's own HTTP endpoint (tandem serve --http-port)
+    tok = load_tokenizer(model_dir)
+    try:
+        yield cluster, SimpleNamespace(port=int(cluster.http.rsplit(":", 1)[1])), tok
+    finally:
+        assert cluster.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    _, http, _ = server
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return f"http://127.0.0.1:{server[1].port}"
+
+
+GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def test_models_and_health(client, url):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["text-model"]
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+    assert requests.get(url + "/v1/models", timeout=10).json()["data"][0]["root"] == "text-model"  # vLLM's bench
+
+
+def test_completions_text_and_stream(client, server):
+    cluster, _, tok = server
+    out = client.completions.create(model="text-model", prompt="hello world", **GREEDY)
+    choice = out.choices[0]
+    assert out.object == "text_completion" and choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(tok.encode("hello world")) and out.usage.completion_tokens == 12
+    # the same request over gRPC: the HTTP layer only translates
+    from tandem import SamplingParams
+    ref = cluster.client.generate_unary("hello world", SamplingParams(max_tokens=12, temperature=0.0,
+                                                                      ignore_eos=True), timeout=60)
+    assert choice.text == tok.decode(list(ref.token_ids), skip_special_tokens=True)
+    chunks = list(client.completions.create(model="text-model", prompt="hello world", stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_token_prompts_n_and_logprobs(client):
+    out = client.completions.create(model="text-model", prompt=[[5, 6, 7], [8, 9]], n=2, logprobs=3,
+                                    max_tokens=5, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 20
+    for c in out.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+        # 3 or 4 (the sampled token when outside the top 3), fewer where byte tokens share a string ("\ufffd")
+        assert all(1 <= len(t) <= 4 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs), lp
+    # seeded: the same request gives the same choices; the n choices of one prompt got different seeds
+    again = client.completions.create(model="text-model", prompt=[[5, 6, 7], [8, 9]], n=2, logprobs=3,
+                                      max_tokens=5, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    key = lambda r: sorted((c.index, c.logprobs.tokens) for c in r.choices)  # noqa: E731
+    assert key(out) == key(again)
+    by_index = {c.index: c for c in out.choices}
+    assert by_index[0].logprobs.tokens != by_index[1].logprobs.tokens
+
+
+def test_chat_and_stream(client, server):
+    _, _, tok = server
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    out = client.chat.completions.create(model="text-model", messages=messages, logprobs=True, top_logprobs=2,
+                                         max_completion_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    c = out.choices[0]
+    assert out.object == "chat.completion" and c.message.role == "assistant" and c.finish_reason == "length"
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert out.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
+    assert len(c.logprobs.content) == 8 and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+    assert "".join(t.token for t in c.logprobs.content) == c.message.content
+    chunks = list(client.chat.completions.create(model="text-model", messages=messages, stream=True,
+                                                 max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == c.message.content
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_chat_default_max_tokens_fills_context(client):
+    out = client.chat.completions.create(model="text-model", messages=[{"role": "user", "content": "hi"}],
+                                         temperature=0.0, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.total_tokens == MAX_MODEL_LEN - 2  # the room left by the 2 speculative tokens
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model="text-model", prompt="the quick", **GREEDY).choices[0].text
+    assert len(base) >= 4
+    stop = base[2:4]
+    out = client.completions.create(model="text-model", prompt="the quick", stop=[stop, "\x00"], **GREEDY)
+    c = out.choices[0]
+    assert c.text == base[:base.find(stop)] and c.finish_reason == "stop"
+
+
+def test_errors(client, url):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="text-model", prompt="x", max_tokens=MAX_MODEL_LEN)
+    assert "max_model_len" in e.value.message
+    with pytest.raises(openai.BadRequestError):  # a validation error on a stream still answers 400
+        list(client.completions.create(model="text-model", prompt=[600], stream=True))
+    r = requests.post(url + "/v1/completions", json={"prompt": "x", "temperature": "hot"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = requests.post(url + "/v1/completions", data=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = requests.post(url + "/v1/chat/completions", json={"messages": []}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_chat_needs_template(server):
+    cluster, _, _ = server
+    http = start_http_server(cluster.address, "127.0.0.1", 0, "text-model", None, MAX_MODEL_LEN)
+    try:
+        r = requests.post(f"http://127.0.0.1:{http.port}/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+        assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+    finally:
+        http.stop()
+
+
+def test_disconnect_cancels(server, url):
+    cluster = server[0]
+    body = {"prompt": [5, 6], "max_tokens": 200, "stream": True, "ignore_eos": True, "temperature": 0.0}
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith(b"data: {")
+    # the client is gone after one chunk: the request must be aborted everywhere, nothing left allocated
+    assert_idle(cluster)
