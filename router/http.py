@@ -23,6 +23,7 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.auth import bearer_ok
 from tandem.rpc import common_pb2, router_pb2, router_pb2_grpc
 from tandem.rpc.server import channel_options
 
@@ -154,9 +155,12 @@ def _unsupported(body: dict, names: dict) -> None:
 # ---- the app ------------------------------------------------------------------------------------------------------
 class _Api:
     def __init__(self, grpc_address: str, model_name: str, tokenizer, max_model_len: int,
-                 request_timeout: float = REQUEST_TIMEOUT):
+                 request_timeout: float = REQUEST_TIMEOUT, api_key: str | None = None):
         self.grpc_address, self.model_name, self.tok, self.max_model_len = \
             grpc_address, model_name, tokenizer, max_model_len
+        self.api_key = api_key
+        # the router's gRPC side checks the same key: forward it on the loopback calls
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self.request_timeout = request_timeout
         self.created = int(time.time())
         self.channel = self.stub = self.health = None
@@ -169,6 +173,14 @@ class _Api:
 
     async def on_cleanup(self, app) -> None:
         await self.channel.close()
+
+    @web.middleware
+    async def authenticate(self, request, handler):
+        """/v1/* needs `Authorization: Bearer KEY` when the router has a key; /health stays open for probes."""
+        if self.api_key and request.path.startswith("/v1/") and \
+                not bearer_ok(request.headers.get("Authorization"), self.api_key):
+            return ApiError(401, "missing or invalid API key", "invalid_request_error", code="invalid_api_key").response()
+        return await handler(request)
 
     def routes(self) -> list:
         return [web.get("/health", self.health_check), web.get("/v1/models", self.models),
@@ -192,7 +204,8 @@ class _Api:
 
     async def _speculative_tokens(self) -> int:
         if self._k is None:
-            info = await self.stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=10.0)
+            info = await self.stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=10.0,
+                                                metadata=self.metadata)
             self._k = info.num_speculative_tokens
         return self._k
 
@@ -260,7 +273,7 @@ class _Api:
 
     async def _pump(self, i: int, req, queue: asyncio.Queue) -> None:
         # Always a deadline: the router bounds its worker calls by the client's (and fails a call that has none).
-        call = self.stub.Generate(req, timeout=self.request_timeout)
+        call = self.stub.Generate(req, timeout=self.request_timeout, metadata=self.metadata)
         try:
             async for m in call:
                 await queue.put((i, m))
@@ -483,7 +496,7 @@ class HttpServer:
             raise self._error
 
     async def _start(self) -> None:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self.api.authenticate])
         app.add_routes(self.api.routes())
         app.on_startup.append(self.api.on_startup)
         app.on_cleanup.append(self.api.on_cleanup)
@@ -517,6 +530,7 @@ class HttpServer:
 
 
 def start_http_server(grpc_address: str, host: str, port: int, model_name: str, tokenizer,
-                      max_model_len: int, request_timeout: float = REQUEST_TIMEOUT) -> HttpServer:
+                      max_model_len: int, request_timeout: float = REQUEST_TIMEOUT,
+                      api_key: str | None = None) -> HttpServer:
     """Serves OpenAI's API on host:port (0: any free port) in front of the router at `grpc_address`."""
-    return HttpServer(_Api(grpc_address, model_name, tokenizer, max_model_len, request_timeout), host, port)
+    return HttpServer(_Api(grpc_address, model_name, tokenizer, max_model_len, request_timeout, api_key), host, port)

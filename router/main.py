@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from router.auth import ApiKeyInterceptor, load_api_key
 from router.server import Router
 from router.workers import WorkerPool
 from tandem.rpc import router_pb2, router_pb2_grpc
@@ -29,6 +30,8 @@ def add_args(ap) -> None:
     ap.add_argument("--poll-seconds", type=float, default=1.0, help="worker discovery and health-check period")
     ap.add_argument("--http-port", type=int, default=None,
                     help="OpenAI-compatible HTTP port (0: any free port; default: no HTTP)")
+    ap.add_argument("--api-key-file", default=None, help="file holding the API key clients must send as "
+                    "`authorization: Bearer KEY` (default: $TANDEM_API_KEY; unset: no auth)")
     ap.add_argument("--queue-timeout", type=float, default=60.0,
                     help="seconds a request may wait for decode capacity before RESOURCE_EXHAUSTED")
 
@@ -45,7 +48,8 @@ def main(args) -> int:
     router = Router(cfg, model_name, args.max_model_len,
                     args.num_speculative_tokens, prefill, decode, tokenizer, queue_timeout=args.queue_timeout,
                     metrics=metrics)
-    server = Server()
+    api_key = load_api_key(args.api_key_file)
+    server = Server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else [])
     server.add(router_pb2_grpc.add_TandemServicer_to_server, router,
                router_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name)
     port = server.start(args.host, args.port)
@@ -54,7 +58,7 @@ def main(args) -> int:
         from router.http import start_http_server
 
         http = start_http_server(f"127.0.0.1:{port}", args.host, args.http_port, model_name, tokenizer,
-                                 args.max_model_len)
+                                 args.max_model_len, api_key=api_key)
     announce("router", grpc=f"{advertise_host(args)}:{port}", metrics=metrics_address,
              http=f"{advertise_host(args)}:{http.port}" if http else None)
     serve_until_signalled(server, router, args.drain_timeout)

@@ -13,8 +13,9 @@ from tandem.rpc.server import channel_options
 
 
 class TandemClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, api_key: str | None = None):
         self.address = address
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self.channel = grpc.insecure_channel(address, options=channel_options())
         self.stub = router_pb2_grpc.TandemStub(self.channel)
 
@@ -32,7 +33,7 @@ class TandemClient:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                info = self.stub.GetServerInfo(router_pb2.GetServerInfoRequest(), timeout=5.0)
+                info = self.stub.GetServerInfo(router_pb2.GetServerInfoRequest(), timeout=5.0, metadata=self.metadata)
                 if info.workers and all(w.healthy for w in info.workers):
                     return
             except grpc.RpcError:
@@ -54,11 +55,12 @@ class TandemClient:
     def generate(self, prompt, params: SamplingParams | None = None, request_id: str = "",
                  timeout: float | None = None):
         """Streams GenerateResponse messages."""
-        return self.stub.Generate(self.request(prompt, params, request_id), timeout=timeout)
+        return self.stub.Generate(self.request(prompt, params, request_id), timeout=timeout, metadata=self.metadata)
 
     def generate_unary(self, prompt, params: SamplingParams | None = None, request_id: str = "",
                        timeout: float | None = None) -> router_pb2.GenerateResponse:
-        return self.stub.GenerateUnary(self.request(prompt, params, request_id), timeout=timeout)
+        return self.stub.GenerateUnary(self.request(prompt, params, request_id), timeout=timeout,
+                                       metadata=self.metadata)
 
     def server_info(self) -> router_pb2.ServerInfo:
-        return self.stub.GetServerInfo(router_pb2.GetServerInfoRequest(), timeout=10.0)
+        return self.stub.GetServerInfo(router_pb2.GetServerInfoRequest(), timeout=10.0, metadata=self.metadata)

@@ -93,6 +93,7 @@ def serve(args) -> int:
                                   "--num-speculative-tokens", str(args.num_speculative_tokens), "--host", args.host,
                                   "--port", str(args.port), "--log-level", args.log_level, "--worker-name", "router",
                                   *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
+                                  *(["--api-key-file", args.api_key_file] if args.api_key_file else []),
                                   "--drain-timeout", str(args.drain_timeout),
                                   *(["--metrics-port", str(args.metrics_port)] if args.metrics else []),
                                   *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
@@ -144,6 +145,7 @@ def add_args(ap) -> None:
 
     add_engine_args(ap)
     ap.add_argument("--served-model-name", default=None, help="the model's name in the API and in metrics")
+    ap.add_argument("--api-key-file", default=None, help="the router's API key (default: $TANDEM_API_KEY; unset: none)")
     ap.add_argument("--prefill-workers", type=int, default=1)
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--host", default="127.0.0.1")
@@ -162,7 +164,7 @@ class ServeProcess:
     """`tandem serve` in a subprocess (its own session, so a kill reaches every child), ready when constructed;
     for tests and benchmarks."""
 
-    def __init__(self, *flags: str, start_timeout: float = 180.0):
+    def __init__(self, *flags: str, start_timeout: float = 180.0, api_key: str | None = None):
         self.child = Child("serve", ["serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
                                      "--http-port", "0", *flags], own_session=True)
         self.proc = self.child.proc
@@ -174,7 +176,7 @@ class ServeProcess:
         self.address = at["grpc"]
         self.metrics = at.get("metrics", "").split(",")  # router first, then prefill, then decode workers
         self.http = at.get("http")
-        self.client = TandemClient(self.address)
+        self.client = TandemClient(self.address, api_key)
         self.client.wait_ready(60)
 
     def stop(self, timeout: float = 40.0) -> int:

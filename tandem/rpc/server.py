@@ -38,8 +38,9 @@ def on_end(context, fn) -> None:
 class Server:
     """Wraps grpc.server: `add(register_fn, servicer, full_service_name)`, then `start(host, port)`."""
 
-    def __init__(self, max_workers: int = 256):
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=channel_options())
+    def __init__(self, max_workers: int = 256, interceptors=()):
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=channel_options(),
+                                interceptors=list(interceptors))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self._names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
