@@ -7,21 +7,55 @@ Both start from `batch.state_slots[i]` and write the state after row j of reques
 (W = k+1) each position's state is kept, so the next step starts from the last accepted one without recompute.
 - `gated_delta_rule`: per value head, `S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q`, with q, k
   L2-normalised (eps 1e-6), q scaled by dk^-0.5 and key heads repeated over value heads. State in fp32.
+
+Each op has a torch reference (walks requests one by one on the host) and GPU paths behind one dispatch; CUDA
+tensors take the GPU paths:
+- `causal_conv1d` -> `causal_conv1d_triton`, one kernel for decode, verify and varlen prefill rows: a program per
+  (request, channel block, row split) computes tiles of rows from the K-1 inputs in the slot and the request's rows,
+  and the first split of each request writes the kept states.
+- `gated_delta_rule` -> `gated_delta_rule_gpu`: requests of at most `FLA_MIN_ROWS` rows (decode, verify, short
+  prefill chunks) run `gated_delta_rule_triton`, the recurrent kernel (state of one (request, value head, dv block)
+  in registers, rows in sequence, every kept state written where the reference writes it). Longer requests -- prefill
+  chunks -- run fla-core's chunked kernel when fla is importable (else the recurrent kernel too), which only returns
+  the final state: it goes to column min(n-1, W-1) = W-1 (n > FLA_MIN_ROWS >= W), the column the engine reads after
+  a prefill chunk (`read_slot_index = min(n, W) - 1`). Columns 0..W-2 of such a chunk are left untouched (the
+  reference writes the states after its first W-1 rows there, which nothing reads).
+
+Launches use only device metadata (query_start_loc, state_slots, state_write_slots) inside the kernels; the host
+lists in the batch choose grid sizes and loop bounds (no host synchronisation, capturable in a CUDA graph for a
+decode/verify batch). Assumption shared with the reference: distinct requests write distinct slots (padding rows may
+share the null slot, whose contents are garbage anyway).
 """
 
 import torch
 import torch.nn.functional as F
 
 from tandem.model.batch import ForwardBatch
+from tandem.ops.triton_utils import HAS_TRITON, use_triton
+
+try:  # optional GPU dependency (fla-core): the chunked prefill kernel
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_gated_delta_rule
+
+    HAS_FLA = True
+except Exception:  # noqa: BLE001 -- absent, or present but unusable on this machine
+    _fla_chunk_gated_delta_rule = None
+    HAS_FLA = False
+
+# Requests with more rows than this go to fla's chunked kernel (when present); it must be >= W (= k+1).
+FLA_MIN_ROWS = 64
 
 
 def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """x: [T, C]; conv_state: [slots, C, K-1]; weight: [C, K] -> silu(conv(x)) [T, C]."""
+    if use_triton(x):
+        return causal_conv1d_triton(x, conv_state, weight, batch)
     return _causal_conv1d_torch(x, conv_state, weight, batch)
 
 
 def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """q, k: [T, nk, dk]; v: [T, nv, dv]; g, beta: [T, nv]; state: [slots, nv, dk, dv] -> o [T, nv, dv]."""
+    if use_triton(v):
+        return gated_delta_rule_gpu(q, k, v, g, beta, state, batch)
     return _gated_delta_rule_torch(q, k, v, g, beta, state, batch)
 
 
@@ -70,3 +104,238 @@ def _gated_delta_rule_torch(q, k, v, g, beta, state, batch: ForwardBatch):
             if j in kept:
                 state[writes[i][min(j, len(writes[i]) - 1)]] = s.to(state.dtype)
     return out.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels. Loop bounds are constexpr (rounded up to powers of two so few variants compile) with the rows of
+# each request masked by its runtime count: Triton's interpreter cannot loop over a runtime bound.
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gdn_recurrent_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
+        q_st, q_sh, k_st, k_sh, v_st, v_sh, g_st, b_st, o_st, o_sh, s_ss, s_sh, s_sk, ws_st,
+        max_rows, scale, eps,
+        REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        W: tl.constexpr, ROW_BOUND: tl.constexpr,
+    ):
+        """One program per (request, value head, dv block); requests with more than max_rows rows are skipped."""
+        i = tl.program_id(0)
+        h = tl.program_id(1)
+        vb = tl.program_id(2)
+        start = tl.load(qsl_ptr + i).to(tl.int64)
+        n = tl.load(qsl_ptr + i + 1).to(tl.int64) - start
+        n = tl.where(n > max_rows, 0, n)
+        slot = tl.load(slots_ptr + i).to(tl.int64)
+        kh = h // REP
+        offs_k = tl.arange(0, BK)
+        offs_v = vb * BV + tl.arange(0, BV)
+        mk = offs_k < DK
+        mv = offs_v < DV
+        tile = offs_k[:, None] * s_sk + offs_v[None, :]
+        mtile = mk[:, None] & mv[None, :]
+        s = tl.load(state_ptr + slot * s_ss + h * s_sh + tile, mask=mtile, other=0.0).to(tl.float32)  # [BK, BV]
+        tl.debug_barrier()  # the read slot may be one this program overwrites below
+        for j in range(ROW_BOUND):
+            if j < n:
+                t = start + j
+                qv = tl.load(q_ptr + t * q_st + kh * q_sh + offs_k, mask=mk, other=0.0).to(tl.float32)
+                kv = tl.load(k_ptr + t * k_st + kh * k_sh + offs_k, mask=mk, other=0.0).to(tl.float32)
+                qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=0) + eps) * scale
+                kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + eps)
+                vv = tl.load(v_ptr + t * v_st + h * v_sh + offs_v, mask=mv, other=0.0).to(tl.float32)
+                gt = tl.load(g_ptr + t * g_st + h).to(tl.float32)
+                bt = tl.load(beta_ptr + t * b_st + h).to(tl.float32)
+                s = s * tl.exp(gt)
+                delta = (vv - tl.sum(s * kv[:, None], axis=0)) * bt
+                s = s + kv[:, None] * delta[None, :]
+                ov = tl.sum(s * qv[:, None], axis=0)
+                tl.store(o_ptr + t * o_st + h * o_sh + offs_v, ov.to(o_ptr.dtype.element_ty), mask=mv)
+                if (j < W - 1) | (j == n - 1):  # the kept rows (`_kept_rows`)
+                    dst = tl.load(wslots_ptr + i * ws_st + tl.minimum(j, W - 1)).to(tl.int64)
+                    tl.store(state_ptr + dst * s_ss + h * s_sh + tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
+
+    @triton.jit
+    def _causal_conv1d_kernel(
+        x_ptr, cs_ptr, w_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
+        x_st, cs_ss, cs_sc, cs_sk, w_sc, w_sk, o_st, ws_st, C,
+        K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+        BC: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, TILE_BOUND: tl.constexpr,
+    ):
+        """One program per (request, channel block, split); split p computes row tiles p, p+SPLIT, ... of its
+        request. Only tile 0 reads the slot's inputs (BT >= K-1 whenever there is more than one tile), and split 0
+        writes the kept states after all its reads."""
+        i = tl.program_id(0)
+        cb = tl.program_id(1)
+        p = tl.program_id(2)
+        start = tl.load(qsl_ptr + i).to(tl.int64)
+        n = tl.load(qsl_ptr + i + 1).to(tl.int64) - start
+        slot = tl.load(slots_ptr + i).to(tl.int64)
+        cols = cb * BC + tl.arange(0, BC)
+        mc = cols < C
+        cs_dt = cs_ptr.dtype.element_ty
+        w_dt = w_ptr.dtype.element_ty
+        for it in range(TILE_BOUND):
+            j0 = (it * SPLIT + p) * BT
+            if j0 < n:
+                rows = j0 + tl.arange(0, BT)
+                mr = rows < n
+                acc = tl.zeros([BT, BC], dtype=tl.float32)
+                for tap in tl.static_range(K):
+                    m = rows + (tap - (K - 1))  # input index; < 0: from the slot's K-1 previous inputs
+                    from_x = (m >= 0) & mr
+                    from_s = (m < 0) & mr
+                    xv = tl.load(x_ptr + (start + m)[:, None] * x_st + cols[None, :],
+                                 mask=from_x[:, None] & mc[None, :], other=0.0).to(cs_dt)
+                    sv = tl.load(cs_ptr + slot * cs_ss + cols[None, :] * cs_sc + (K - 1 + m)[:, None] * cs_sk,
+                                 mask=from_s[:, None] & mc[None, :], other=0.0)
+                    win = tl.where(from_x[:, None], xv, sv).to(w_dt).to(tl.float32)
+                    wt = tl.load(w_ptr + cols * w_sc + tap * w_sk, mask=mc, other=0.0).to(tl.float32)
+                    acc += win * wt[None, :]
+                y = acc.to(w_dt).to(tl.float32)  # the reference convolves and applies SiLU in the weight dtype
+                y = (y * tl.sigmoid(y)).to(w_dt)
+                tl.store(o_ptr + (start + rows)[:, None] * o_st + cols[None, :], y.to(o_ptr.dtype.element_ty),
+                         mask=mr[:, None] & mc[None, :])
+        if p == 0:
+            # The state after row j is inputs j-K+2 .. j. Column c < W-1 keeps row c (if c < n), column W-1 row
+            # n-1 (if n >= W). All kept states are loaded before any is stored: a write slot may be the read slot.
+            f = tl.arange(0, WP * KP)
+            c = f // KP
+            e = f % KP
+            keep = (c < W) & (e < K - 1) & (((c < W - 1) & (c < n)) | ((c == W - 1) & (n >= W)))
+            j = tl.where(c < W - 1, c, n - 1)
+            m = j - (K - 2) + e
+            xv = tl.load(x_ptr + (start + m)[None, :] * x_st + cols[:, None],
+                         mask=(keep & (m >= 0))[None, :] & mc[:, None], other=0.0).to(cs_dt)
+            sv = tl.load(cs_ptr + slot * cs_ss + cols[:, None] * cs_sc + (K - 1 + m)[None, :] * cs_sk,
+                         mask=(keep & (m < 0))[None, :] & mc[:, None], other=0.0)
+            vals = tl.where((m >= 0)[None, :], xv, sv)  # [BC, WP*KP]
+            dst = tl.load(wslots_ptr + i * ws_st + tl.minimum(c, W - 1)).to(tl.int64)
+            tl.debug_barrier()
+            tl.store(cs_ptr + dst[None, :] * cs_ss + cols[:, None] * cs_sc + e[None, :] * cs_sk, vals,
+                     mask=keep[None, :] & mc[:, None])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _lens(batch: ForwardBatch) -> list[int]:
+    qsl = batch.query_start_loc_cpu
+    return [b - a for a, b in zip(qsl[:-1], qsl[1:])]
+
+
+def gated_delta_rule_triton(q, k, v, g, beta, state, batch: ForwardBatch, out=None, max_rows=None, block_v=None):
+    """The recurrent kernel over every request with at most `max_rows` rows (all when None); the others' rows of
+    `out` are left as they are. Returns out [T, nv, dv] in v's dtype."""
+    T, nk, dk = q.shape
+    nv, dv = v.shape[1], v.shape[2]
+    assert nv % nk == 0 and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    assert state.stride(3) == 1 and g.stride(1) == 1 and beta.stride(1) == 1
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    lens = _lens(batch)
+    todo = [n for n in lens if max_rows is None or n <= max_rows]
+    if not todo or max(todo) == 0:
+        return out
+    B, W = len(lens), batch.state_write_slots.shape[1]
+    if block_v is None:  # enough programs to fill the GPU: 16-wide dv blocks when the batch is small
+        block_v = min(32, _pow2(dv))
+        while block_v > 16 and B * nv * triton.cdiv(dv, block_v) < 512:
+            block_v //= 2
+    wslots = batch.state_write_slots
+    grid = (B, nv, triton.cdiv(dv, block_v))
+    _gdn_recurrent_kernel[grid](
+        q, k, v, g, beta, state, out, batch.query_start_loc, batch.state_slots, wslots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), wslots.stride(0),
+        max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6,
+        REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W, ROW_BOUND=_pow2(max(todo)),
+        num_warps=8 if block_v >= 32 else 4,  # dk=128: 128 registers a thread either way, no spills (sm_90)
+    )
+    return out
+
+
+def gated_delta_rule_fla(q, k, v, g, beta, state, batch: ForwardBatch, requests: list[int], out):
+    """fla's chunked kernel over `requests` (each longer than W rows): initial states gathered from their read
+    slots, final states written to column W-1 of their write slots; fills their rows of `out`."""
+    qsl, W = batch.query_start_loc_cpu, batch.state_write_slots.shape[1]
+    spans = [(qsl[i], qsl[i + 1]) for i in requests]
+    assert all(b - a > W for a, b in spans)
+    contiguous = all(spans[r][1] == spans[r + 1][0] for r in range(len(spans) - 1))
+
+    def rows(x):
+        if contiguous:
+            return x[spans[0][0] : spans[-1][1]]
+        return torch.cat([x[a:b] for a, b in spans])
+
+    cu = [0]
+    for a, b in spans:
+        cu.append(cu[-1] + b - a)
+    cu_cpu = torch.tensor(cu, dtype=torch.long)
+    idx = torch.tensor(requests, dtype=torch.long).to(v.device, non_blocking=True)
+    h0 = state[batch.state_slots[idx]].float()
+    o, ht = _fla_chunk_gated_delta_rule(
+        rows(q)[None], rows(k)[None], rows(v)[None], rows(g)[None].float(), rows(beta)[None],
+        scale=q.shape[2] ** -0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_cpu.to(v.device, non_blocking=True), cu_seqlens_cpu=cu_cpu,
+    )
+    state[batch.state_write_slots[idx, W - 1]] = ht.to(state.dtype)
+    o = o[0].to(out.dtype)
+    if contiguous:
+        out[spans[0][0] : spans[-1][1]] = o
+    else:
+        for (a, b), c0 in zip(spans, cu):
+            out[a:b] = o[c0 : c0 + b - a]
+    return out
+
+
+def gated_delta_rule_gpu(q, k, v, g, beta, state, batch: ForwardBatch, out=None):
+    """Recurrent kernel for requests of at most FLA_MIN_ROWS rows, fla's chunked kernel for longer ones (or the
+    recurrent kernel for all when fla is missing)."""
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    lens = _lens(batch)
+    long = [i for i, n in enumerate(lens) if n > FLA_MIN_ROWS] if HAS_FLA else []
+    assert FLA_MIN_ROWS >= batch.state_write_slots.shape[1]
+    if not long:
+        return gated_delta_rule_triton(q, k, v, g, beta, state, batch, out=out)
+    if len(long) < len(lens):
+        gated_delta_rule_triton(q, k, v, g, beta, state, batch, out=out, max_rows=FLA_MIN_ROWS)
+    return gated_delta_rule_fla(q, k, v, g, beta, state, batch, long, out)
+
+
+def causal_conv1d_triton(x, conv_state, weight, batch: ForwardBatch, out=None, block_c=None, split=None):
+    """x: [T, C]; conv_state: [slots, C, K-1]; weight: [C, K] -> silu(conv(x)) [T, C], states written in place."""
+    T, C = x.shape
+    K = weight.shape[1]
+    assert K >= 2 and x.stride(1) == 1 and conv_state.shape[2] == K - 1
+    if out is None:
+        out = torch.empty_like(x)
+    lens = _lens(batch)
+    max_n = max(lens) if lens else 0
+    if max_n == 0:
+        return out
+    B, W = len(lens), batch.state_write_slots.shape[1]
+    bt = min(8, _pow2(max_n))  # [8, 128] tiles: larger ones spill registers on sm_90 (K taps of pointer tiles)
+    tiles = triton.cdiv(max_n, bt)
+    assert tiles == 1 or bt >= K - 1
+    bc = block_c or min(128, _pow2(C))
+    ncb = triton.cdiv(C, bc)
+    if split is None:
+        split = 1
+        while split < tiles and B * ncb * split < 1024:  # spread long prefill rows over more programs
+            split *= 2
+        split = min(split, _pow2(tiles))
+    wslots = batch.state_write_slots
+    _causal_conv1d_kernel[(B, ncb, split)](
+        x, conv_state, weight, out, batch.query_start_loc, batch.state_slots, wslots,
+        x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), weight.stride(0),
+        weight.stride(1), out.stride(0), wslots.stride(0), C,
+        K=K, KP=_pow2(K - 1), W=W, WP=_pow2(W), BC=bc, BT=bt, SPLIT=split,
+        TILE_BOUND=_pow2(triton.cdiv(tiles, split)), num_warps=4,
+    )
+    return out

@@ -1,0 +1,232 @@
+"""GDN kernels (causal conv1d, gated delta rule) against their torch references: outputs, every written state slot,
+untouched slots unchanged, every output element written. CPU: the Triton kernels under the interpreter at small
+sizes; GPU: the dispatch at Qwen3.5 sizes (fla's chunked prefill when fla is importable)."""
+
+import pytest
+import torch
+
+from tandem.model.batch import ForwardBatch
+from tandem.ops import gdn
+
+# requests' row counts: decode (1), verify (k+1 = W), fewer than W, short and long prefill chunks
+LENS = {1: [1, 1, 4, 37, 1], 3: [3, 1, 3, 2, 19, 3]}
+
+
+def make_batch(lens, W, device, g, spare=3):
+    """Each request owns W write slots (shuffled over the pool) and reads from one of them; `spare` slots belong to
+    no request and must stay untouched."""
+    B = len(lens)
+    perm = torch.randperm(1 + B * W + spare, generator=g)[: B * W] + 0  # slot ids, some never used
+    write = perm.view(B, W)
+    read = write[torch.arange(B), torch.randint(0, W, (B,), generator=g)]
+    qsl = torch.tensor([0] + lens).cumsum(0)
+    T = int(qsl[-1])
+    return ForwardBatch(
+        input_ids=torch.zeros(T, dtype=torch.long, device=device),
+        positions=torch.zeros(T, dtype=torch.long, device=device),
+        query_start_loc=qsl.to(torch.int32).to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(B, 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.zeros(T, dtype=torch.long, device=device),
+        state_slots=read.to(device),
+        state_write_slots=write.to(device),
+        logits_indices=(qsl[1:] - 1).to(device),
+        query_start_loc_cpu=qsl.tolist(),
+        seq_lens_cpu=lens,
+    ), 1 + B * W + spare
+
+
+def gdn_inputs(T, nk, nv, dk, dv, slots, dtype, device, g):
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    # q, k, v as the model makes them: views into one [T, conv_dim] tensor
+    qkv = r(T, 2 * nk * dk + nv * dv).to(device, dtype)
+    q, k, v = qkv.split([nk * dk, nk * dk, nv * dv], dim=-1)
+    gate = (-torch.rand(T, nv, generator=g) * 0.5).to(device)  # fp32 log decay
+    beta = torch.rand(T, nv, generator=g).to(device, dtype)
+    state = (r(slots, nv, dk, dv) * 0.3).to(device)  # fp32
+    return q.view(T, nk, dk), k.view(T, nk, dk), v.view(T, nv, dv), gate, beta, state
+
+
+def conv_inputs(T, C, K, slots, dtype, device, g):
+    x = torch.randn(T, C, generator=g).to(device, dtype)
+    conv_state = torch.randn(slots, C, K - 1, generator=g).to(device, dtype)
+    weight = (torch.randn(C, 1, K, generator=g) * 0.5).to(device, dtype)[:, 0, :]  # a view, as the model passes
+    return x, conv_state, weight
+
+
+def touched(batch, lens, W, fla_long=()):
+    """Slots the reference writes; for requests in fla_long only column W-1."""
+    out = set()
+    for i, n in enumerate(lens):
+        cols = [W - 1] if i in fla_long else sorted({min(j, W - 1) for j in gdn._kept_rows(n, W)})
+        out |= {int(batch.state_write_slots[i, c]) for c in cols}
+    return out
+
+
+def check_close(a, b, tol):
+    if a.dtype == torch.bfloat16 or b.dtype == torch.bfloat16:
+        a, b = a.float(), b.float()
+        rel = (a - b).norm() / b.norm().clamp_min(1e-12)
+        assert rel <= tol["rel"], rel
+        torch.testing.assert_close(a, b, rtol=tol["elem"], atol=tol["elem"])
+    else:
+        torch.testing.assert_close(a, b, rtol=tol["elem"], atol=tol["elem"])
+
+
+FP32 = {"elem": 2e-5, "rel": 1e-6}
+BF16 = {"elem": 6e-2, "rel": 1.5e-2}
+FLA_BF16 = {"elem": 1e-1, "rel": 3e-2}  # fla's chunked form also rounds its intermediates (normalised q/k, WY) to bf16
+
+
+def run_gdn(fn, W, lens, nk, nv, dk, dv, dtype, device, tol, seed, fla_long=(), **kw):
+    g = torch.Generator().manual_seed(seed)
+    batch, slots = make_batch(lens, W, device, g)
+    q, k, v, gate, beta, state = gdn_inputs(sum(lens), nk, nv, dk, dv, slots, dtype, device, g)
+    ref_state, got_state, before = state.clone(), state.clone(), state.clone()
+    ref = gdn._gated_delta_rule_torch(q, k, v, gate, beta, ref_state, batch)
+    out = torch.full(v.shape, float("nan"), dtype=v.dtype, device=device)
+    got = fn(q, k, v, gate, beta, got_state, batch, out=out, **kw)
+    assert got is out and not got.isnan().any()
+    check_close(got, ref, tol)
+    written = touched(batch, lens, W, fla_long)
+    for s in range(slots):
+        if s in written:
+            check_close(got_state[s], ref_state[s], tol)
+        else:  # never written by the kernel (nor by the reference, except fla's skipped first columns)
+            assert torch.equal(got_state[s], before[s]), s
+
+
+def run_conv(fn, W, lens, C, K, dtype, device, tol, seed, **kw):
+    g = torch.Generator().manual_seed(seed)
+    batch, slots = make_batch(lens, W, device, g)
+    x, conv_state, weight = conv_inputs(sum(lens), C, K, slots, dtype, device, g)
+    ref_state, got_state, before = conv_state.clone(), conv_state.clone(), conv_state.clone()
+    ref = gdn._causal_conv1d_torch(x, ref_state, weight, batch)
+    out = torch.full_like(x, float("nan"))
+    got = fn(x, got_state, weight, batch, out=out, **kw)
+    assert got is out and not got.isnan().any()
+    check_close(got, ref, tol)
+    written = touched(batch, lens, W)
+    for s in range(slots):
+        if s in written:
+            check_close(got_state[s], ref_state[s], tol)
+        else:
+            assert torch.equal(got_state[s], before[s]), s
+
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter cases run where there is no GPU")
+
+
+@cpu_only
+@pytest.mark.parametrize("W", [1, 3])
+def test_gdn_recurrent_kernel_cpu_interpreter(W):
+    # nv=4 over nk=2 key heads; block_v=8 splits dv=16 into two blocks
+    run_gdn(gdn.gated_delta_rule_triton, W, LENS[W], 2, 4, 16, 16, torch.float32, "cpu", FP32, seed=W, block_v=8)
+
+
+@cpu_only
+def test_gdn_recurrent_kernel_cpu_interpreter_bf16_and_skip():
+    # bf16 inputs (the interpreter truncates on bf16 casts: bf16 bounds hold); decode + verify only
+    run_gdn(gdn.gated_delta_rule_triton, 3, [1, 3, 3, 2], 1, 4, 16, 16, torch.bfloat16, "cpu", BF16, seed=5)
+    run_gdn(gdn.gated_delta_rule_triton, 1, [1, 1, 1], 2, 4, 16, 16, torch.float32, "cpu", FP32, seed=7)  # decode
+    # max_rows skips the longer requests (fla's share on the GPU): their rows and slots stay untouched
+    g = torch.Generator().manual_seed(6)
+    lens, W = [1, 9, 3], 3
+    batch, slots = make_batch(lens, W, "cpu", g)
+    q, k, v, gate, beta, state = gdn_inputs(sum(lens), 1, 2, 16, 16, slots, torch.float32, "cpu", g)
+    before = state.clone()
+    out = torch.full(v.shape, float("nan"))
+    gdn.gated_delta_rule_triton(q, k, v, gate, beta, state, batch, out=out, max_rows=3)
+    assert out[1:10].isnan().all() and not out[:1].isnan().any() and not out[10:].isnan().any()
+    for c in range(W):
+        assert torch.equal(state[int(batch.state_write_slots[1, c])], before[int(batch.state_write_slots[1, c])])
+
+
+@cpu_only
+@pytest.mark.parametrize("W", [1, 3])
+def test_conv1d_kernel_cpu_interpreter(W):
+    # C=48 is not a multiple of the 32-wide channel block; 37 and 19 rows make several 8-row tiles, spread over
+    # programs (the default split) or over both programs and loop iterations (split=2)
+    run_conv(gdn.causal_conv1d_triton, W, LENS[W], 48, 4, torch.float32, "cpu", FP32, seed=10 + W, block_c=32)
+    run_conv(gdn.causal_conv1d_triton, W, LENS[W], 48, 4, torch.float32, "cpu", FP32, seed=12 + W, split=2)
+
+
+@cpu_only
+def test_conv1d_kernel_cpu_interpreter_bf16_k2():
+    run_conv(gdn.causal_conv1d_triton, 3, [1, 3, 2, 5], 32, 4, torch.bfloat16, "cpu", BF16, seed=20)
+    run_conv(gdn.causal_conv1d_triton, 3, [1, 3, 2, 5], 32, 2, torch.float32, "cpu", FP32, seed=21)  # K-1 = 1
+    run_conv(gdn.causal_conv1d_triton, 1, [1, 1, 1], 32, 4, torch.float32, "cpu", FP32, seed=22)  # decode: 1-row tiles
+
+
+def test_dispatch_cpu_takes_reference():
+    g = torch.Generator().manual_seed(30)
+    batch, slots = make_batch([1, 2], 2, "cpu", g)
+    q, k, v, gate, beta, state = gdn_inputs(3, 1, 2, 8, 8, slots, torch.float32, "cpu", g)
+    s2 = state.clone()
+    assert torch.equal(gdn.gated_delta_rule(q, k, v, gate, beta, state, batch),
+                       gdn._gated_delta_rule_torch(q, k, v, gate, beta, s2, batch))
+    assert torch.equal(state, s2)
+
+
+# --- GPU: Qwen3.5 sizes (nk=16, nv=32, dk=dv=128, conv_dim 8192, K=4) through the dispatch ------------------------
+
+QWEN = dict(nk=16, nv=32, dk=128, dv=128)
+GPU_LENS = {1: [1] * 6 + [5, 40], 3: [3] * 5 + [1, 2, 50]}  # all within FLA_MIN_ROWS: the recurrent kernel
+
+
+def _dispatch_gdn(q, k, v, gate, beta, state, batch, out):
+    o = gdn.gated_delta_rule(q, k, v, gate, beta, state, batch)
+    out.copy_(o)
+    return out
+
+
+def _dispatch_conv(x, conv_state, weight, batch, out):
+    out.copy_(gdn.causal_conv1d(x, conv_state, weight, batch))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_gpu_decode_verify(W, dtype):
+    tol = FP32 if dtype == torch.float32 else BF16
+    run_gdn(_dispatch_gdn, W, GPU_LENS[W], **QWEN, dtype=dtype, device="cuda", tol=tol, seed=40 + W)
+    # the kernel itself writes every element (the dispatch allocates with empty)
+    run_gdn(gdn.gated_delta_rule_triton, W, GPU_LENS[W], **QWEN, dtype=dtype, device="cuda", tol=tol, seed=50 + W)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [1, 3])
+def test_gdn_gpu_recurrent_long_prefill(W, monkeypatch):
+    monkeypatch.setattr(gdn, "HAS_FLA", False)  # the fallback when fla is missing: recurrent for every length
+    run_gdn(gdn.gated_delta_rule_gpu, W, [1, W, 300, 129], **QWEN, dtype=torch.bfloat16, device="cuda", tol=BF16,
+            seed=60 + W)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [1, 3])
+def test_gdn_gpu_fla_prefill(W):
+    if not gdn.HAS_FLA:
+        pytest.skip("fla-core is not importable")
+    lens = [1, W, 2, 300, 65, 1000]
+    fla_long = tuple(i for i, n in enumerate(lens) if n > gdn.FLA_MIN_ROWS)
+    run_gdn(gdn.gated_delta_rule_gpu, W, lens, **QWEN, dtype=torch.bfloat16, device="cuda", tol=FLA_BF16, seed=70 + W,
+            fla_long=fla_long)
+    # non-contiguous long requests (a decode between them)
+    lens = [300, 1, 200, W]
+    fla_long = (0, 2)
+    run_gdn(gdn.gated_delta_rule_gpu, W, lens, **QWEN, dtype=torch.bfloat16, device="cuda", tol=FLA_BF16, seed=80 + W,
+            fla_long=fla_long)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv1d_gpu(W, dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # an fp32 reference, not TF32
+    tol = FP32 if dtype == torch.float32 else BF16
+    lens = GPU_LENS[W] + [2048, 700]
+    run_conv(_dispatch_conv, W, lens, 8192, 4, dtype, "cuda", tol, seed=90 + W)
+    run_conv(gdn.causal_conv1d_triton, W, [1] * 32, 8192, 4, dtype, "cuda", tol, seed=95 + W)
