@@ -1,0 +1,47 @@
+"""The router's worker pool: DNS discovery, health from polling, and placement order."""
+
+import socket
+
+from router.workers import Worker, WorkerPool, resolve
+from tandem.rpc import common_pb2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dns_name_resolves_to_one_address_per_host():
+    port = free_port()
+    got = resolve(f"localhost:{port}")
+    assert f"127.0.0.1:{port}" in got and all(a.endswith(f":{port}") for a in got)
+    assert resolve("no-such-host.invalid:80") == []
+
+
+def test_unreachable_worker_is_unhealthy_and_not_a_candidate():
+    pool = WorkerPool("decode", [f"127.0.0.1:{free_port()}"], None, poll_seconds=0.2).start()  # polls once at once
+    (w,) = pool.all()
+    assert not w.healthy and pool.candidates() == []
+    pool.stop()
+
+
+def _worker(name, role, **load):
+    return Worker(name, role, stub=None, channel=None, healthy=True, load=common_pb2.Load(**load))
+
+
+def test_placement_prefers_free_capacity_and_short_queues():
+    pool = WorkerPool("decode", ["unused:1"], None)
+    pool.workers = {
+        "full": _worker("full", "decode", free_kv_blocks=1, total_kv_blocks=100, free_state_slots=50,
+                        total_state_slots=100, running_requests=2),
+        "busy": _worker("busy", "decode", free_kv_blocks=90, total_kv_blocks=100, free_state_slots=90,
+                        total_state_slots=100, running_requests=20),
+        "idle": _worker("idle", "decode", free_kv_blocks=90, total_kv_blocks=100, free_state_slots=90,
+                        total_state_slots=100, running_requests=1),
+    }
+    assert [w.address for w in pool.candidates()] == ["idle", "busy", "full"]
+    prefill = WorkerPool("prefill", ["unused:1"], None)
+    prefill.workers = {"a": _worker("a", "prefill", queued_prompt_tokens=5000),
+                       "b": _worker("b", "prefill", queued_prompt_tokens=10)}
+    assert [w.address for w in prefill.candidates()] == ["b", "a"]
