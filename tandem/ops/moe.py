@@ -1,23 +1,208 @@
 """Mixture of experts: fp32 softmax routing, top-k, optional renormalisation, SwiGLU experts.
 
 Expert weights are fused: `gate_up [E, 2I, H]` (gate rows first) and `down [E, H, I]`.
+
+Each op has a torch reference and a Triton path behind one dispatch (`use_triton(x)`: CUDA tensors take the
+kernels). The Triton path never synchronises with the host, so a decode step that contains it can be captured in a
+CUDA graph:
+
+1. `route`: router logits by cuBLAS, then one kernel per token does the fp32 softmax, the top-k (k rounds of
+   arg-max) and the renormalisation.
+2. align (`moe_align`): the T*top_k (token, slot) pairs are grouped by expert on the device; each expert's segment
+   is padded up to a multiple of BLOCK_M with the sentinel T*top_k. It yields `sorted_ids [P_max]` (pair indices,
+   sentinel in the padding), `block_expert [P_max / BLOCK_M]` (the expert of each block) and `total [1]` (the
+   padded count). P_max = T*top_k + min(E, T*top_k) * (BLOCK_M - 1), rounded up to BLOCK_M, is the worst case and
+   known on the host; blocks at or past `total` exit at once. Small batches use one Triton program (one launch);
+   large ones use sort-based torch ops (also sync-free; launch count does not matter at prefill sizes).
+3. `_moe_gate_up_kernel`: a grouped GEMM over (block, I tile): gathers the block's token rows of x, multiplies by
+   the block's expert's gate and up rows (two fp32 accumulators) and writes SiLU(gate) * up to `inter [P_max, I]`.
+   Only experts that received tokens own blocks, so at decode only the routed experts' weights are read.
+4. `_moe_down_kernel`: a grouped GEMM over (block, H tile) of `inter` by the expert's down weight, scaled by the
+   routing weight and stored to the pair's own row of `buf [T*top_k, H]` (each pair is written exactly once: no
+   atomics). `buf.view(T, top_k, H).sum(1)` then adds the top_k contributions in a fixed order: deterministic.
 """
 
 import torch
 import torch.nn.functional as F
 
+from tandem.ops.triton_utils import HAS_TRITON, use_triton
+
+# Up to this many (token, slot) pairs the align step is a single Triton program; above it, sort-based torch ops.
+ALIGN_TRITON_MAX_PAIRS = 1024
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _route_kernel(logits_ptr, w_out_ptr, e_out_ptr, E, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                      E_P2: tl.constexpr, RENORM: tl.constexpr):
+        """One token: fp32 softmax over E logits, top-k by k rounds of arg-max (lowest index on ties), renorm."""
+        t = tl.program_id(0).to(tl.int64)
+        ex = tl.arange(0, E_P2)
+        valid = ex < E
+        z = tl.load(logits_ptr + t * E + ex, mask=valid, other=float("-inf")).to(tl.float32)
+        p = tl.exp(z - tl.max(z, axis=0))
+        p = tl.where(valid, p, 0.0)
+        p = p / tl.sum(p, axis=0)
+        rest = tl.where(valid, p, -1.0)
+        ks = tl.arange(0, K_P2)
+        top_w = tl.zeros([K_P2], tl.float32)
+        top_e = tl.zeros([K_P2], tl.int64)
+        for j in tl.static_range(TOP_K):
+            m = tl.max(rest, axis=0)
+            idx = tl.min(tl.where(rest == m, ex, E_P2), axis=0)
+            top_w = tl.where(ks == j, m, top_w)
+            top_e = tl.where(ks == j, idx.to(tl.int64), top_e)
+            rest = tl.where(ex == idx, -2.0, rest)
+        if RENORM:
+            top_w = top_w / tl.sum(top_w, axis=0)
+        tl.store(w_out_ptr + t * TOP_K + ks, top_w.to(w_out_ptr.dtype.element_ty), mask=ks < TOP_K)
+        tl.store(e_out_ptr + t * TOP_K + ks, top_e, mask=ks < TOP_K)
+
+    @triton.jit
+    def _moe_align_kernel(experts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, NUM_BLOCKS,
+                          E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, B_CHUNK: tl.constexpr):
+        """One program. Pass 1 counts pairs per expert; pass 2 gives each pair its slot: its expert's padded start
+        plus its rank among the earlier pairs of that expert (one-hot cumsum within a chunk, running count across
+        chunks). Ranks follow pair order, so the layout is deterministic. Sizes are runtime arguments: one
+        compilation serves every batch size."""
+        ex = tl.arange(0, E_P2)
+        # while loops: the interpreter cannot take a runtime value as a range() bound
+        counts = tl.zeros([E_P2], tl.int32)
+        c = 0
+        while c < N:
+            i = c + tl.arange(0, CHUNK)
+            e = tl.load(experts_ptr + i, mask=i < N, other=-1).to(tl.int32)
+            counts += tl.sum((e[:, None] == ex[None, :]).to(tl.int32), axis=0)
+            c += CHUNK
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        starts = ends - padded
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+        seen = starts
+        c = 0
+        while c < N:
+            i = c + tl.arange(0, CHUNK)
+            m = i < N
+            e = tl.load(experts_ptr + i, mask=m, other=-1).to(tl.int32)
+            onehot = (e[:, None] == ex[None, :]).to(tl.int32)
+            before = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]
+            slot = tl.sum(before * onehot, axis=1)
+            tl.store(sorted_ptr + slot, i, mask=m)
+            seen += tl.sum(onehot, axis=0)
+            c += CHUNK
+        # the padding of each expert's segment holds the sentinel N
+        j = tl.arange(0, BLOCK_M)
+        pad = (starts + counts)[:, None] + j[None, :]
+        tl.store(sorted_ptr + pad, tl.zeros([E_P2, BLOCK_M], tl.int32) + N, mask=pad < ends[:, None])
+        c = 0
+        while c < NUM_BLOCKS:
+            b = c + tl.arange(0, B_CHUNK)
+            owner = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, owner, mask=b < NUM_BLOCKS)
+            c += B_CHUNK
+
+    @triton.jit
+    def _moe_gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr, N_PAIRS, stride_x,
+                            TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PRECISION: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        valid = pair < N_PAIRS
+        tok = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < I
+        k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * stride_x + k[None, :]
+        g_ptrs = w_ptr + e * (2 * I * H) + n[None, :].to(tl.int64) * H + k[:, None]  # [BLOCK_K, BLOCK_N]
+        u_ptrs = g_ptrs + I * H
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if H % BLOCK_K == 0:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                wg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                wu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = k0 + k < H
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        out_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * I + n[None, :]
+        tl.store(out_ptrs, act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+    @triton.jit
+    def _moe_down_kernel(inter_ptr, w_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr, N_PAIRS,
+                         H: tl.constexpr, I: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRECISION: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        valid = pair < N_PAIRS
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < H
+        k = tl.arange(0, BLOCK_K)
+        a_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * I + k[None, :]
+        w_ptrs = w_ptr + e * (H * I) + n[None, :].to(tl.int64) * I + k[:, None]  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            if I % BLOCK_K == 0:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = k0 + k < I
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        rw = tl.load(route_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+        out_ptrs = buf_ptr + pair[:, None].to(tl.int64) * H + n[None, :]
+        tl.store(out_ptrs, acc.to(buf_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------- dispatch
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
+    if use_triton(x):
+        return route_triton(x, router_weight, top_k, renormalize)
+    return route_torch(x, router_weight, top_k, renormalize)
+
+
+def fused_experts(x, gate_up, down, weights, experts) -> torch.Tensor:
+    """x: [T, H]; weights, experts: [T, top_k] -> [T, H]."""
+    if use_triton(x):
+        return fused_experts_triton(x, gate_up, down, weights, experts)
+    return _fused_experts_torch(x, gate_up, down, weights, experts)
+
+
+# ---------------------------------------------------------------------------------------------------- torch
+
+def route_torch(x, router_weight, top_k, renormalize):
     probs = F.linear(x, router_weight).softmax(dim=-1, dtype=torch.float32)
     weights, experts = probs.topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(x.dtype), experts
-
-
-def fused_experts(x, gate_up, down, weights, experts) -> torch.Tensor:
-    """x: [T, H]; weights, experts: [T, top_k] -> [T, H]."""
-    return _fused_experts_torch(x, gate_up, down, weights, experts)
 
 
 def _fused_experts_torch(x, gate_up, down, weights, experts):
@@ -37,3 +222,107 @@ def _fused_experts_torch(x, gate_up, down, weights, experts):
         out.index_add_(0, tok, y.to(out.dtype))
         start += n
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- triton
+
+def route_triton(x, router_weight, top_k, renormalize):
+    logits = F.linear(x, router_weight)
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
+    experts = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    if T:
+        _route_kernel[(T,)](logits.contiguous(), weights, experts, E, TOP_K=top_k,
+                            K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(E),
+                            RENORM=renormalize, num_warps=1 if E <= 1024 else 4)
+    return weights, experts
+
+
+def padded_size(n_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst-case padded pair count (a multiple of block_m): every non-empty expert wastes up to block_m - 1."""
+    worst = n_pairs + min(num_experts, n_pairs) * (block_m - 1)
+    return -(-worst // block_m) * block_m
+
+
+def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool | None = None):
+    """experts [T, top_k] -> (sorted_ids [P_max] int32, block_expert [P_max // block_m] int32, total [1] int32);
+    see the module docstring. Nothing here waits for the device."""
+    flat = experts.reshape(-1)
+    n = flat.numel()
+    p_max = padded_size(n, num_experts, block_m)
+    if use_kernel is None:
+        use_kernel = n <= ALIGN_TRITON_MAX_PAIRS
+    if use_kernel:
+        sorted_ids = torch.empty(p_max, dtype=torch.int32, device=flat.device)
+        block_expert = torch.empty(p_max // block_m, dtype=torch.int32, device=flat.device)
+        total = torch.empty(1, dtype=torch.int32, device=flat.device)
+        chunk = 32
+        _moe_align_kernel[(1,)](flat.contiguous(), sorted_ids, block_expert, total, n, p_max // block_m,
+                                E_P2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=chunk,
+                                B_CHUNK=32, num_warps=8)
+        return sorted_ids, block_expert, total
+    return _moe_align_torch(flat, num_experts, block_m, p_max)
+
+
+def _moe_align_torch(flat, num_experts, block_m, p_max):
+    """The same layout by a stable sort (gathers and scatters by index_select / scatter_: no host sync)."""
+    n, dev = flat.numel(), flat.device
+    flat = flat.long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat.index_select(0, order)
+    first = counts.cumsum(0) - counts  # each expert's first position in the unpadded sorted order
+    slot = (ends - padded - first).index_select(0, sorted_e) + torch.arange(n, device=dev)
+    sorted_ids = torch.full((p_max,), n, dtype=torch.int32, device=dev).scatter_(0, slot, order.to(torch.int32))
+    starts = torch.arange(0, p_max, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
+    return sorted_ids, block_expert, ends[-1:].to(torch.int32)
+
+
+def _configs(n_pairs: int, num_experts: int):
+    """(BLOCK_M, gate_up (BLOCK_N, BLOCK_K, warps, stages), down (...)). Few tokens per expert (decode, verify):
+    BLOCK_M 16 and narrow N tiles so the few touched experts still spread over every SM; many (prefill): 64."""
+    if n_pairs <= 4 * num_experts:  # on average up to 4 tokens per expert
+        return 16, (32, 128, 4, 4), (64, 128, 4, 4)
+    if n_pairs <= 16 * num_experts:
+        return 32, (64, 64, 4, 4), (64, 64, 4, 4)
+    return 64, (64, 64, 4, 3), (128, 64, 8, 3)
+
+
+def fused_experts_triton(x, gate_up, down, weights, experts, *, block_m=None, gate_up_cfg=None, down_cfg=None,
+                         align_kernel=None, buf=None):
+    """The Triton path (see the module docstring). The keyword arguments override tiling and the align method and
+    give the [T*top_k, H] per-pair buffer (tests)."""
+    T, H = x.shape
+    E, two_i, _ = gate_up.shape
+    inter_size = two_i // 2
+    top_k = experts.shape[1]
+    n_pairs = T * top_k
+    if T == 0:
+        return torch.zeros_like(x)
+    bm, gu, dn = _configs(n_pairs, E)
+    bm, gu, dn = block_m or bm, gate_up_cfg or gu, down_cfg or dn
+    x = x.contiguous() if x.stride(1) != 1 else x
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+    route_w = weights.reshape(-1).contiguous()
+    sorted_ids, block_expert, total = moe_align(experts, E, bm, align_kernel)
+    num_blocks = block_expert.shape[0]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    inter = torch.empty(sorted_ids.shape[0], inter_size, dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = gu
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, bn))](
+        x, gate_up, inter, sorted_ids, block_expert, total, n_pairs, x.stride(0),
+        TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision,
+        num_warps=warps, num_stages=stages)
+    if buf is None:
+        buf = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = dn
+    _moe_down_kernel[(num_blocks, triton.cdiv(H, bn))](
+        inter, down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
+        H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision,
+        num_warps=warps, num_stages=stages)
+    if top_k == 1:
+        return buf.view(T, H)
+    return buf.view(T, top_k, H).sum(1)

@@ -1,0 +1,225 @@
+"""MoE: the Triton routing, align and grouped-GEMM kernels against the torch references, with fresh random inputs.
+On the CPU the kernels run under Triton's interpreter in fp32 at small sizes (H=64, I=32), over both align methods
+(one Triton program and sort-based torch ops) and over tilings that take several N tiles and K steps. The per-pair
+output buffer starts as NaN, so an unwritten element shows. On the GPU (-m gpu) at the 35B-A3B sizes in bf16
+through the dispatch, inside a CUDA graph replayed with new inputs (no host sync), with a timing report."""
+
+import time
+
+import pytest
+import torch
+
+from tandem.ops import moe
+
+
+def make_case(T, E, top_k, H, I, device="cpu", dtype=torch.float32, seed=0, pattern="random"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    gate_up = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    down = torch.randn(E, H, I, generator=g) / I**0.5
+    router = torch.randn(E, H, generator=g)
+    weights, experts = moe.route_torch(x, router, top_k, renormalize=True)
+    if pattern == "one_expert":  # every token picks the same experts: expert 0 gets all T tokens, most get none
+        experts = torch.arange(top_k).repeat(T, 1)
+    elif pattern == "duplicates":  # every slot of every token on one expert
+        experts = torch.full((T, top_k), E - 1, dtype=torch.long)
+    to = dict(device=device)
+    return (x.to(dtype=dtype, **to), gate_up.to(dtype=dtype, **to), down.to(dtype=dtype, **to),
+            weights.to(dtype=dtype, **to), experts.to(**to), router.to(dtype=dtype, **to))
+
+
+def reference(x, gate_up, down, weights, experts):
+    return moe._fused_experts_torch(x.float(), gate_up.float(), down.float(), weights.float(), experts)
+
+
+def run(x, gate_up, down, weights, experts, **kw):
+    buf = torch.full((x.shape[0] * experts.shape[1], x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    out = moe.fused_experts_triton(x, gate_up, down, weights, experts, buf=buf, **kw)
+    assert not buf.isnan().any(), "an element of the per-pair buffer was not written"
+    assert not out.isnan().any()
+    return out
+
+
+def check_align(experts, E, block_m, use_kernel):
+    sorted_ids, block_expert, total = moe.moe_align(experts, E, block_m, use_kernel)
+    flat = experts.reshape(-1).cpu()
+    n, tot = flat.numel(), int(total)
+    counts = torch.bincount(flat, minlength=E)
+    assert tot == int(((counts + block_m - 1) // block_m * block_m).sum()) and tot <= sorted_ids.numel()
+    ids, owners = sorted_ids[:tot].cpu().long(), block_expert[: tot // block_m].cpu().long()
+    real = ids[ids < n]
+    assert (ids[ids >= n] == n).all()
+    assert sorted(real.tolist()) == list(range(n))  # every pair exactly once
+    assert (flat[real] == owners.repeat_interleave(block_m)[ids < n]).all()  # each pair in a block of its expert
+    for e in range(E):  # within an expert, pairs in pair order (deterministic layout)
+        mine = real[flat[real] == e]
+        assert (mine.diff() > 0).all()
+
+
+CPU_CASES = [(T, E, k) for T in (1, 5, 37) for E in (8, 16) for k in (2, 4)]
+
+
+@pytest.mark.parametrize("T,E,top_k", CPU_CASES)
+def test_fused_experts_kernel_cpu_interpreter(T, E, top_k):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter case runs where there is no GPU")
+    case = make_case(T, E, top_k, 64, 32, seed=T * 100 + E * 10 + top_k)
+    x, gate_up, down, weights, experts, _ = case
+    ref = reference(x, gate_up, down, weights, experts)
+    tol = 1e-5 * max(ref.abs().max().item(), 1.0)
+    # default tiling (one N tile, one masked K step at these sizes) with the one-program align
+    assert (run(x, gate_up, down, weights, experts, align_kernel=True) - ref).abs().max() <= tol
+    # the torch align, 2 N tiles and 2 K steps in each GEMM
+    out = run(x, gate_up, down, weights, experts, align_kernel=False, block_m=16,
+              gate_up_cfg=(16, 32, 4, 1), down_cfg=(32, 16, 4, 1))
+    assert (out - ref).abs().max() <= tol
+    for use_kernel in (True, False):
+        check_align(experts, E, 16, use_kernel)
+
+
+@pytest.mark.parametrize("pattern", ["one_expert", "duplicates"])
+def test_fused_experts_skewed_cpu_interpreter(pattern):
+    """All tokens on one expert (three blocks of it) and experts with no tokens; odd sizes so K and N are masked."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter case runs where there is no GPU")
+    x, gate_up, down, weights, experts, _ = make_case(37, 8, 2, 48, 24, seed=7, pattern=pattern)
+    ref = reference(x, gate_up, down, weights, experts)
+    tol = 1e-5 * max(ref.abs().max().item(), 1.0)
+    for use_kernel in (True, False):
+        check_align(experts, 8, 16, use_kernel)
+        out = run(x, gate_up, down, weights, experts, align_kernel=use_kernel, block_m=16,
+                  gate_up_cfg=(16, 32, 4, 1), down_cfg=(32, 32, 4, 1))
+        assert (out - ref).abs().max() <= tol
+
+
+def test_align_many_chunks_cpu_interpreter():
+    """More pairs than one align chunk and more blocks than one block chunk, a non-power-of-two expert count."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter case runs where there is no GPU")
+    g = torch.Generator().manual_seed(3)
+    experts = torch.stack([torch.randperm(12, generator=g)[:3] for _ in range(70)])
+    experts[:40, 0] = 5
+    for bm in (4, 16):
+        for use_kernel in (True, False):
+            check_align(experts, 12, bm, use_kernel)
+
+
+@pytest.mark.parametrize("E,top_k,renorm", [(8, 2, True), (16, 4, False), (12, 3, True)])
+def test_route_kernel_cpu_interpreter(E, top_k, renorm):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter case runs where there is no GPU")
+    g = torch.Generator().manual_seed(E)
+    x, router = torch.randn(37, 64, generator=g), torch.randn(E, 64, generator=g)
+    w_ref, e_ref = moe.route_torch(x, router, top_k, renorm)
+    w, e = moe.route_triton(x, router, top_k, renorm)
+    assert torch.equal(e, e_ref)
+    assert (w - w_ref).abs().max() <= 1e-6
+
+
+def test_dispatch_cpu_takes_reference():
+    x, gate_up, down, weights, experts, router = make_case(5, 8, 2, 64, 32, seed=1)
+    assert torch.equal(moe.fused_experts(x, gate_up, down, weights, experts),
+                       moe._fused_experts_torch(x, gate_up, down, weights, experts))
+    w, e = moe.route(x, router, 2, True)
+    w_ref, e_ref = moe.route_torch(x, router, 2, True)
+    assert torch.equal(w, w_ref) and torch.equal(e, e_ref)
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+
+REAL = dict(E=256, top_k=8, H=2048, I=512)
+
+
+def bf16_check(out, ref):
+    assert not out.isnan().any()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 2e-2 * max(ref.abs().max().item(), 1.0), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 32, 2048])
+def test_fused_experts_gpu(T):
+    x, gate_up, down, weights, experts, router = make_case(T, REAL["E"], REAL["top_k"], REAL["H"], REAL["I"],
+                                                           "cuda", torch.bfloat16, seed=T)
+    weights, experts = moe.route(x, router, REAL["top_k"], True)  # the Triton routing
+    w_ref, e_ref = moe.route_torch(x, router, REAL["top_k"], True)
+    assert (experts == e_ref).float().mean() > 0.99  # bf16 logits can tie; the rest must agree
+    assert (weights.float() - w_ref.float()).abs().max() <= 1e-2
+    ref = reference(x, gate_up, down, weights, experts)
+    bf16_check(moe.fused_experts(x, gate_up, down, weights, experts), ref)
+    bf16_check(run(x, gate_up, down, weights, experts), ref)
+    for use_kernel in (True, False):
+        check_align(experts, REAL["E"], 16, use_kernel)
+
+
+@pytest.mark.gpu
+def test_fused_experts_gpu_skewed():
+    for pattern in ("one_expert", "duplicates"):
+        x, gate_up, down, weights, experts, _ = make_case(300, 64, 8, 256, 128, "cuda", torch.bfloat16, 9, pattern)
+        ref = reference(x, gate_up, down, weights, experts)
+        for use_kernel in (True, False):
+            bf16_check(run(x, gate_up, down, weights, experts, align_kernel=use_kernel), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,align_kernel", [(1, None), (32, None), (32, False), (200, None)])
+def test_moe_cuda_graph_replay(T, align_kernel):
+    """Route + experts captured once, replayed on new inputs: correct results prove nothing went through the host
+    (a sync would fail the capture). align_kernel=False captures the sort-based torch align as well."""
+    E, k, H, I = REAL["E"], REAL["top_k"], REAL["H"], REAL["I"]
+    _, gate_up, down, _, _, router = make_case(T, E, k, H, I, "cuda", torch.bfloat16, seed=11)
+    static_x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        w, e = moe.route(static_x, router, k, True)
+        return moe.fused_experts_triton(static_x, gate_up, down, w, e, align_kernel=align_kernel), w, e
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_w, static_e = step()
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(100 + seed)
+        static_x.copy_(torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_e, moe.route(static_x, router, k, True)[1])
+        bf16_check(static_out, reference(static_x, gate_up, down, static_w, static_e))
+
+
+@pytest.mark.gpu
+def test_moe_gpu_timing_report():
+    """Not an assertion on speed: prints routed-expert times (plain and in a CUDA graph) next to the floor of the
+    expert weight bytes touched (4.25 TB/s)."""
+    E, k, H, I = REAL["E"], REAL["top_k"], REAL["H"], REAL["I"]
+    for T in (1, 32, 2048):
+        x, gate_up, down, weights, experts, router = make_case(T, E, k, H, I, "cuda", torch.bfloat16, seed=T + 1)
+        weights, experts = moe.route(x, router, k, True)
+        touched = experts.unique().numel()
+        floor = touched * 3 * H * I * 2 / 4.25e12
+        for _ in range(3):
+            moe.fused_experts(x, gate_up, down, weights, experts)
+        torch.cuda.synchronize()
+        n = 20
+        t0 = time.perf_counter()
+        for _ in range(n):
+            moe.fused_experts(x, gate_up, down, weights, experts)
+        torch.cuda.synchronize()
+        eager = (time.perf_counter() - t0) / n
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            moe.fused_experts(x, gate_up, down, weights, experts)
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            graph.replay()
+        torch.cuda.synchronize()
+        graphed = (time.perf_counter() - t0) / n
+        print(f"T={T}: experts touched {touched}, eager {eager * 1e6:.1f} us, graph {graphed * 1e6:.1f} us, "
+              f"weight floor {floor * 1e6:.1f} us ({graphed / floor:.2f}x)")
