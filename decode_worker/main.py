@@ -7,7 +7,7 @@ import logging
 from decode_worker.server import DecodeWorker
 from tandem.engine.llm import Engine, load_model
 from tandem.rpc import worker_pb2, worker_pb2_grpc
-from tandem.rpc.server import Server
+from tandem.rpc.server import Server, Tls, add_tls_args
 from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, engine_config,
                                  fingerprint, serve_until_signalled, start_metrics)
 
@@ -18,6 +18,7 @@ def add_args(ap) -> None:
     ap.add_argument("--transfer-port", type=int, default=50063, help="hand-off listener port (0: any free port)")
     ap.add_argument("--lease-seconds", type=float, default=60.0,
                     help="how long a lease waits for its hand-off (and a finished hand-off for its stream)")
+    add_tls_args(ap)
 
 
 def main(args) -> int:
@@ -25,9 +26,11 @@ def main(args) -> int:
     ecfg = engine_config(args)
     cfg, model, _ = load_model(args.model, ecfg.device, ecfg.dtype, args.seed)
     metrics, metrics_address = start_metrics(args, "decode")
+    tls = Tls.from_args(args)
     worker = DecodeWorker(Engine(cfg, model, ecfg), fingerprint(args), args.host, args.transfer_port,
-                          advertise_host(args), lease_seconds=args.lease_seconds, metrics=metrics).start()
-    server = Server()
+                          advertise_host(args), lease_seconds=args.lease_seconds, metrics=metrics,
+                          ssl_context=tls.server_context() if tls else None).start()
+    server = Server(tls=tls)
     server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, worker,
                worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
     port = server.start(args.host, args.port)

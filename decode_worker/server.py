@@ -60,14 +60,14 @@ class LeaseRecord:
 
 class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, engine, fingerprint: str, transfer_host: str, transfer_port: int, advertise_host: str,
-                 lease_seconds: float = 30.0, metrics=None):
+                 lease_seconds: float = 30.0, metrics=None, ssl_context=None):
         self.engine, self.fingerprint, self.lease_seconds, self.metrics = engine, fingerprint, lease_seconds, metrics
         self._lock = threading.Lock()
         self._by_request: dict[str, LeaseRecord] = {}
         self._by_lease: dict[str, LeaseRecord] = {}
         self.loop = EngineLoop(engine, self._after_step, self._on_error, periodic=self._expire)
         self.transfer = TransferServer(transfer_host, transfer_port, engine.ecfg.device, self._on_header,
-                                       self._on_payload)
+                                       self._on_payload, ssl_context=ssl_context)
         self._advertise_host = advertise_host
         self.draining = False
         self._spec_seen = (0, 0, [0] * engine.ecfg.num_speculative_tokens)

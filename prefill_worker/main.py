@@ -7,7 +7,7 @@ import logging
 from prefill_worker.server import FAULTS, PrefillWorker
 from tandem.engine.llm import Engine, load_model
 from tandem.rpc import worker_pb2, worker_pb2_grpc
-from tandem.rpc.server import Server
+from tandem.rpc.server import Server, Tls, add_tls_args
 from tandem.transfer.base import BACKENDS
 from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, engine_config,
                                  fingerprint, serve_until_signalled, start_metrics)
@@ -18,6 +18,7 @@ def add_args(ap) -> None:
     add_server_args(ap, port=50061)
     ap.add_argument("--transfer-backend", default="auto", choices=("auto", *BACKENDS))
     ap.add_argument("--inject-fault", default=None, choices=FAULTS, help="testing only")
+    add_tls_args(ap)
 
 
 def main(args) -> int:
@@ -28,9 +29,10 @@ def main(args) -> int:
     if backend == "auto":
         backend = "tcp" if ecfg.device == "cpu" else "cuda_ipc"
     metrics, metrics_address = start_metrics(args, "prefill")
+    tls = Tls.from_args(args)
     worker = PrefillWorker(Engine(cfg, model, ecfg, prefill_only=True), fingerprint(args), backend,
-                           args.inject_fault, metrics).start()
-    server = Server()
+                           args.inject_fault, metrics, ssl_context=tls.client_context() if tls else None).start()
+    server = Server(tls=tls)
     server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, worker,
                worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)
     port = server.start(args.host, args.port)

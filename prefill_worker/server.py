@@ -29,15 +29,17 @@ from tandem.transfer.manifest import Manifest, checksum, pack
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("corrupt-handoff",)  # test hooks, off unless asked for on the command line
+# test hooks, off unless asked for on the command line. stall-handoff: the header is accepted, then no payload
+# comes until the hand-off's time is up (a hung link), so the lease on the decode worker expires
+FAULTS = ("corrupt-handoff", "stall-handoff")
 
 
 class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine, fingerprint: str, transfer_backend: str, inject_fault: str | None = None,
-                 metrics=None):
+                 metrics=None, ssl_context=None):
         self.engine, self.fingerprint, self.metrics = engine, fingerprint, metrics
         self.transfer_backend = transfer_backend
-        self.client = TransferClient(transfer_backend, engine.ecfg.device)
+        self.client = TransferClient(transfer_backend, engine.ecfg.device, ssl_context)
         self.inject_fault = inject_fault
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
@@ -143,9 +145,13 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
                             total_bytes=flat.numel(), checksum=checksum(flat), meta=meta)
         if self.inject_fault == "corrupt-handoff":
             flat[flat.numel() // 2] ^= 0xFF
+        # past the lease's expiry the decode worker refuses the state anyway: a stalled send gives up then
+        until_expiry = lease.expires_unix_ms / 1000 - time.time() + 1.0 if lease.expires_unix_ms else 60.0
+        timeout = time_left(context, max(1.0, min(60.0, until_expiry)))
+        stall = _stall(timeout, context) if self.inject_fault == "stall-handoff" else None
         try:
-            nbytes, seconds = self.client.send(lease.transfer_address, manifest, flat,
-                                               timeout=time_left(context, 60.0))
+            nbytes, seconds = self.client.send(lease.transfer_address, manifest, flat, timeout=timeout,
+                                               before_payload=stall)
         except TransferRejected as e:
             self._count_failure("rejected")
             code = grpc.StatusCode.DATA_LOSS if "checksum" in str(e) else grpc.StatusCode.FAILED_PRECONDITION
@@ -183,6 +189,16 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         for rid in rids:
             self.engine.abort(rid)
             self._resolve(rid, RuntimeError(str(exc)))
+
+
+def _stall(timeout: float, context):
+    """The stall-handoff fault: after the header, no payload until the send's time is up (or the caller left)."""
+    def hang():
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and context.is_active():
+            time.sleep(0.05)
+        raise TransferError("stalled hand-off timed out (injected fault)")
+    return hang
 
 
 class _Aborted:

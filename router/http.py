@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -25,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.auth import bearer_ok
 from tandem.rpc import common_pb2, router_pb2, router_pb2_grpc
-from tandem.rpc.server import channel_options
+from tandem.rpc.server import Tls, channel_options
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,14 @@ class ApiError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after: float | None = None  # seconds, sent as `Retry-After` (a 429's hint)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        headers = {"Retry-After": str(max(1, math.ceil(self.retry_after)))} if self.retry_after is not None else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -64,7 +67,16 @@ def bad(message: str, param: str | None = None) -> ApiError:
 
 def from_grpc(e: grpc.aio.AioRpcError) -> ApiError:
     status, type_ = _STATUS.get(e.code(), (500, "server_error"))
-    return ApiError(status, e.details() or e.code().name, type_, None, e.code().name.lower())
+    err = ApiError(status, e.details() or e.code().name, type_, None, e.code().name.lower())
+    try:
+        hint = dict(e.trailing_metadata() or ()).get("retry-after-ms")
+    except Exception:  # no trailing metadata on this error
+        hint = None
+    if hint is not None and hint.isdigit():
+        err.retry_after = int(hint) / 1000
+    elif status == 429:
+        err.retry_after = 1.0
+    return err
 
 
 # ---- request fields -----------------------------------------------------------------------------------------------
@@ -155,7 +167,9 @@ def _unsupported(body: dict, names: dict) -> None:
 # ---- the app ------------------------------------------------------------------------------------------------------
 class _Api:
     def __init__(self, grpc_address: str, model_name: str, tokenizer, max_model_len: int,
-                 request_timeout: float = REQUEST_TIMEOUT, api_key: str | None = None):
+                 request_timeout: float = REQUEST_TIMEOUT, api_key: str | None = None, tls: Tls | None = None,
+                 max_body_bytes: int = 64 * 1024 * 1024):
+        self.tls, self.max_body_bytes = tls, max_body_bytes
         self.grpc_address, self.model_name, self.tok, self.max_model_len = \
             grpc_address, model_name, tokenizer, max_model_len
         self.api_key = api_key
@@ -167,7 +181,9 @@ class _Api:
         self._k: int | None = None
 
     async def on_startup(self, app) -> None:
-        self.channel = grpc.aio.insecure_channel(self.grpc_address, options=channel_options())
+        self.channel = (grpc.aio.secure_channel(self.grpc_address, self.tls.channel_credentials(),
+                                                options=channel_options()) if self.tls
+                        else grpc.aio.insecure_channel(self.grpc_address, options=channel_options()))
         self.stub = router_pb2_grpc.TandemStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -496,14 +512,16 @@ class HttpServer:
             raise self._error
 
     async def _start(self) -> None:
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self.api.authenticate])
+        app = web.Application(client_max_size=self.api.max_body_bytes, middlewares=[self.api.authenticate])
         app.add_routes(self.api.routes())
         app.on_startup.append(self.api.on_startup)
         app.on_cleanup.append(self.api.on_cleanup)
         # handler_cancellation: a client that goes away cancels its handler, and so its gRPC calls
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        # HTTPS with the router's certificate; clients authenticate with the API key, not a client certificate
+        tls = self.api.tls.server_context(require_client_cert=False) if self.api.tls and self.api.tls.cert else None
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=tls)
         await site.start()
         self.port = self._runner.addresses[0][1]
 
@@ -531,6 +549,8 @@ class HttpServer:
 
 def start_http_server(grpc_address: str, host: str, port: int, model_name: str, tokenizer,
                       max_model_len: int, request_timeout: float = REQUEST_TIMEOUT,
-                      api_key: str | None = None) -> HttpServer:
+                      api_key: str | None = None, tls: Tls | None = None,
+                      max_body_bytes: int = 64 * 1024 * 1024) -> HttpServer:
     """Serves OpenAI's API on host:port (0: any free port) in front of the router at `grpc_address`."""
-    return HttpServer(_Api(grpc_address, model_name, tokenizer, max_model_len, request_timeout, api_key), host, port)
+    return HttpServer(_Api(grpc_address, model_name, tokenizer, max_model_len, request_timeout, api_key, tls,
+                           max_body_bytes), host, port)

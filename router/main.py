@@ -8,7 +8,7 @@ from router.auth import ApiKeyInterceptor, load_api_key
 from router.server import Router
 from router.workers import WorkerPool
 from tandem.rpc import router_pb2, router_pb2_grpc
-from tandem.rpc.server import Server
+from tandem.rpc.server import Server, Tls, add_tls_args
 from tandem.tokenizer import load_tokenizer_for
 from tandem.worker_setup import (add_server_args, advertise_host, announce, model_config, serve_until_signalled,
                                  served_model_name, start_metrics)
@@ -34,22 +34,36 @@ def add_args(ap) -> None:
                     "`authorization: Bearer KEY` (default: $TANDEM_API_KEY; unset: no auth)")
     ap.add_argument("--queue-timeout", type=float, default=60.0,
                     help="seconds a request may wait for decode capacity before RESOURCE_EXHAUSTED")
+    ap.add_argument("--max-queued-requests", type=int, default=256,
+                    help="requests that may wait for decode capacity; beyond: RESOURCE_EXHAUSTED / HTTP 429 at once")
+    ap.add_argument("--max-concurrent-rpcs", type=int, default=1024,
+                    help="calls the gRPC server takes at once (beyond: RESOURCE_EXHAUSTED)")
+    ap.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                    help="largest request message (gRPC) or body (HTTP) accepted")
+    ap.add_argument("--decode-failover", action="store_true",
+                    help="when a decode worker dies mid-stream, continue its requests on another one (re-prefilling "
+                    "prompt + generated tokens; exact for greedy sampling without penalties)")
+    add_tls_args(ap)
 
 
 def main(args) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = model_config(args.model)
     metrics, metrics_address = start_metrics(args, "router")
+    tls = Tls.from_args(args)
     prefill = WorkerPool("prefill", _list(args.prefill_workers), args.prefill_dns, args.poll_seconds,
-                         metrics).start()
-    decode = WorkerPool("decode", _list(args.decode_workers), args.decode_dns, args.poll_seconds, metrics).start()
+                         metrics, tls=tls).start()
+    decode = WorkerPool("decode", _list(args.decode_workers), args.decode_dns, args.poll_seconds, metrics,
+                        tls=tls).start()
     tokenizer = load_tokenizer_for(args.model)
     model_name = served_model_name(args)
     router = Router(cfg, model_name, args.max_model_len,
                     args.num_speculative_tokens, prefill, decode, tokenizer, queue_timeout=args.queue_timeout,
-                    metrics=metrics)
+                    metrics=metrics, max_queued_requests=args.max_queued_requests,
+                    decode_failover=args.decode_failover)
     api_key = load_api_key(args.api_key_file)
-    server = Server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else [])
+    server = Server(max_workers=args.max_concurrent_rpcs, interceptors=[ApiKeyInterceptor(api_key)] if api_key else [],
+                    tls=tls, max_receive=args.max_request_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs)
     server.add(router_pb2_grpc.add_TandemServicer_to_server, router,
                router_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name)
     port = server.start(args.host, args.port)
@@ -58,7 +72,8 @@ def main(args) -> int:
         from router.http import start_http_server
 
         http = start_http_server(f"127.0.0.1:{port}", args.host, args.http_port, model_name, tokenizer,
-                                 args.max_model_len, api_key=api_key)
+                                 args.max_model_len, api_key=api_key, tls=tls,
+                                 max_body_bytes=args.max_request_bytes)
     announce("router", grpc=f"{advertise_host(args)}:{port}", metrics=metrics_address,
              http=f"{advertise_host(args)}:{http.port}" if http else None)
     serve_until_signalled(server, router, args.drain_timeout)

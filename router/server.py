@@ -10,6 +10,7 @@ an error) is aborted on both workers, so nothing stays allocated.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_REQUEST_ID = 256
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024  # bounds the detokenizer's per-message matching work
+RETRY_AFTER_MS = 1000  # the hint sent with RESOURCE_EXHAUSTED (trailing metadata `retry-after-ms`)
 
 
 @dataclass
@@ -84,8 +87,10 @@ class _RequestMetrics:
 class Router(router_pb2_grpc.TandemServicer):
     def __init__(self, cfg: ModelConfig, model_name: str, max_model_len: int, num_speculative_tokens: int,
                  prefill: WorkerPool, decode: WorkerPool, tokenizer=None, transfer_backend: str = "",
-                 queue_timeout: float = 60.0, metrics=None):
-        self.queue_timeout = queue_timeout
+                 queue_timeout: float = 60.0, metrics=None, max_queued_requests: int | None = None,
+                 decode_failover: bool = False):
+        self.queue_timeout, self.max_queued, self.failover = queue_timeout, max_queued_requests, decode_failover
+        self._queued = 0  # requests waiting for decode capacity now (bounded by max_queued)
         self.cfg, self.model_name, self.max_model_len = cfg, model_name, max_model_len
         self.k, self.prefill, self.decode, self.tokenizer = num_speculative_tokens, prefill, decode, tokenizer
         self.transfer_backend, self.metrics = transfer_backend, metrics
@@ -96,6 +101,16 @@ class Router(router_pb2_grpc.TandemServicer):
     def busy(self) -> bool:
         with self._lock:
             return bool(self._active)
+
+    def active_requests(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    @staticmethod
+    def _exhausted(context, msg: str) -> None:
+        """RESOURCE_EXHAUSTED with a retry hint the HTTP side turns into `Retry-After`."""
+        context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, msg)
 
     def stop(self) -> None:
         self.prefill.stop()
@@ -165,6 +180,8 @@ class Router(router_pb2_grpc.TandemServicer):
             bad(f"sampling: {e}")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             bad(f"sampling: logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
+        if len(request.stop) > MAX_STOP_STRINGS or sum(len(x) for x in request.stop) > MAX_STOP_CHARS:
+            bad(f"stop: at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all")
         if any(t >= self.cfg.vocab_size for t in params.stop_token_ids):
             bad(f"sampling: stop_token_ids out of range [0, {self.cfg.vocab_size})")
         if len(prompt) + params.max_tokens + self.k > self.max_model_len:
@@ -206,8 +223,7 @@ class Router(router_pb2_grpc.TandemServicer):
             return message([], [], common_pb2.FINISH_REASON_ABORT, 0)
 
         try:
-            lease = self._reserve(state, prompt, params, context)
-            first = self._prefill(state, prompt, params, lease, context) if not state.aborted else None
+            lease, first = self._start(state, prompt, params, context)
             if state.closed:  # the client left while a worker call was under way: free what that call took
                 self._abort_on([state.decode], rid)
                 return
@@ -221,18 +237,50 @@ class Router(router_pb2_grpc.TandemServicer):
                 yield msg
                 return
             yield msg
-            state.stream = state.decode.stub.Decode(worker_pb2.DecodeRequest(request_id=rid, lease_id=lease.lease_id),
-                                                    timeout=time_left(context))
-            n = 1
-            for m in state.stream:
-                n += len(m.token_ids)
-                msg = message(m.token_ids, m.logprobs, m.finish_reason, n)
-                if msg.finish_reason != m.finish_reason:  # ended here by a stop string: free the decode worker
-                    state.stream.cancel()
-                    self._abort_on([state.decode], rid)
-                    yield msg
+            generated, n = [first.first_token_id], 1
+            while True:
+                try:
+                    state.stream = state.decode.stub.Decode(
+                        worker_pb2.DecodeRequest(request_id=rid, lease_id=lease.lease_id), timeout=time_left(context))
+                    for m in state.stream:
+                        n += len(m.token_ids)
+                        generated.extend(m.token_ids)
+                        msg = message(m.token_ids, m.logprobs, m.finish_reason, n)
+                        if msg.finish_reason != m.finish_reason:  # ended here by a stop string: free the worker
+                            state.stream.cancel()
+                            self._abort_on([state.decode], rid)
+                            yield msg
+                            return
+                        yield msg
                     return
-                yield msg
+                except grpc.RpcError as e:
+                    if not (self.failover and e.code() == grpc.StatusCode.UNAVAILABLE and not state.aborted
+                            and context.is_active()):
+                        raise
+                    # decode failover: the worker died mid-stream. Prefill prompt + what was generated elsewhere
+                    # and continue there; the next greedy token is the one the dead worker would have produced
+                    log.warning("decode worker %s failed for %s after %d tokens; failing over", state.decode.address,
+                                rid, n)
+                    state.decode.healthy = False
+                    self._release_decode(state, abort=False)
+                    rest = dataclasses.replace(params, max_tokens=params.max_tokens - n,
+                                               min_tokens=max(0, params.min_tokens - n))
+                    lease, first = self._start(state, prompt + generated, rest, context)
+                    if state.closed:
+                        self._abort_on([state.decode], rid)
+                        return
+                    if state.aborted or first.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                        yield aborted()
+                        return
+                    n += 1
+                    generated.append(first.first_token_id)
+                    lps = [first.first_logprobs] if params.logprobs is not None else []
+                    msg = message([first.first_token_id], lps, first.finish_reason, n)
+                    if state.finished:
+                        self._abort_on([state.decode], rid)
+                        yield msg
+                        return
+                    yield msg
         except grpc.RpcError as e:
             if state.aborted:
                 yield aborted()
@@ -242,6 +290,33 @@ class Router(router_pb2_grpc.TandemServicer):
         finally:
             if state.decode is not None:
                 state.decode.inflight_requests -= 1
+
+    def _release_decode(self, state: _Active, abort: bool = True) -> None:
+        """Gives up the request's lease (a failed prefill or a dead decode worker): the next attempt reserves anew."""
+        w, state.decode = state.decode, None
+        if w is not None:
+            w.inflight_requests -= 1
+            if abort:
+                self._abort_on([w], state.request_id)
+
+    def _start(self, state: _Active, prompt, params, context):
+        """Reserve, then Prefill; when the prefill worker is unreachable or dies mid-prefill (UNAVAILABLE) the
+        lease is given back (its one-time token may already be spent on a half-sent hand-off) and the request
+        starts over with a fresh lease on another prefill worker."""
+        tried: set[str] = set()
+        attempts = max(2, len(self.prefill.all()))
+        for attempt in range(attempts):
+            lease = self._reserve(state, prompt, params, context)
+            if state.aborted or state.closed:
+                return lease, None
+            try:
+                return lease, self._prefill(state, prompt, params, lease, context, tried)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == attempts - 1 or not context.is_active():
+                    raise
+                log.warning("prefill of %s failed (%s); retrying with a new lease", state.request_id, e.details())
+                self._release_decode(state)
+        raise AssertionError("unreachable")
 
     def _reserve(self, state: _Active, prompt, params, context):
         """Leases capacity on the best decode worker; while all are full the request waits here (bounded by its
@@ -255,48 +330,65 @@ class Router(router_pb2_grpc.TandemServicer):
                 if not candidates:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
                 for w in candidates:
+                    w.inflight_requests += 1  # counted before the call, so concurrent requests see each other
                     try:
                         lease = w.stub.Reserve(req, timeout=time_left(context, 10.0))
                     except grpc.RpcError as e:
-                        if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                        w.inflight_requests -= 1
+                        if e.code() == grpc.StatusCode.UNAVAILABLE:
+                            w.healthy = False  # dead or draining: skip it until its next good poll
+                            continue
+                        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                             continue
                         raise
                     state.decode = w
-                    w.inflight_requests += 1
                     return lease
                 if time.monotonic() > give_up or state.aborted or not context.is_active():
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"every decode worker stayed full for {self.queue_timeout:.0f} s; retry later")
-                if not waiting and self.metrics is not None:
-                    self.metrics.num_requests_waiting.inc()
-                waiting = True
+                    self._exhausted(context, f"every decode worker stayed full for {self.queue_timeout:.0f} s; "
+                                    "retry later")
+                if not waiting:
+                    with self._lock:  # the bounded queue: beyond it a request is refused at once, not parked
+                        full = self.max_queued is not None and self._queued >= self.max_queued
+                        if not full:
+                            self._queued += 1
+                    if full:
+                        self._exhausted(context, f"the router's queue is full ({self.max_queued} requests wait for "
+                                        "decode capacity); retry later")
+                    waiting = True
+                    if self.metrics is not None:
+                        self.metrics.num_requests_waiting.inc()
                 time.sleep(0.01 + 0.02 * random.random())
         finally:
-            if waiting and self.metrics is not None:
-                self.metrics.num_requests_waiting.dec()
+            if waiting:
+                with self._lock:
+                    self._queued -= 1
+                if self.metrics is not None:
+                    self.metrics.num_requests_waiting.dec()
 
-    def _prefill(self, state: _Active, prompt, params, lease, context):
+    def _prefill(self, state: _Active, prompt, params, lease, context, tried: set[str]):
+        """On the best prefill worker not tried yet for this request (any, once all were tried)."""
         req = worker_pb2.PrefillRequest(request_id=state.request_id, prompt_token_ids=prompt,
                                         sampling=sampling_to_proto(params), lease=lease)
         candidates = self.prefill.candidates()
         if not candidates:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-        last = None
-        for w in candidates:
+        candidates = [w for w in candidates if w.address not in tried] or candidates
+        for w in candidates[:1]:
+            tried.add(w.address)
             state.prefill = w
             w.inflight_requests += 1
             w.inflight_prompt_tokens += len(prompt)
             try:
                 return w.stub.Prefill(req, timeout=time_left(context))
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:  # the worker could not be reached: try another
-                    raise
-                last = e
+                if e.code() == grpc.StatusCode.UNAVAILABLE and "hand-off" not in (e.details() or ""):
+                    w.healthy = False  # the prefill worker itself is gone (not its hand-off): skip it until polled
+                raise
             finally:
                 w.inflight_requests -= 1
                 w.inflight_prompt_tokens -= len(prompt)
                 state.prefill = None
-        raise last
+        raise AssertionError("unreachable")
 
     # ---- ends -------------------------------------------------------------------------------------------------
     def _end(self, state: _Active) -> None:

@@ -5,6 +5,7 @@ there (fresher than the last poll)."""
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
-from tandem.rpc.server import channel_options
+from tandem.rpc.server import Tls, make_channel, worker_channel_options
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,9 @@ def resolve(dns: str) -> list[str]:
 
 
 class WorkerPool:
-    def __init__(self, role: str, addresses: list[str], dns: str | None, poll_seconds: float = 1.0, metrics=None):
+    def __init__(self, role: str, addresses: list[str], dns: str | None, poll_seconds: float = 1.0, metrics=None,
+                 tls: Tls | None = None):
+        self.tls = tls
         if not addresses and not dns:
             raise ValueError(f"no {role} workers: give addresses or a DNS name")
         self.role, self._static, self._dns, self._poll = role, list(addresses), dns, poll_seconds
@@ -76,7 +79,7 @@ class WorkerPool:
                 if self.metrics is not None:
                     self.metrics.remove_worker(gone, self.role)
             for a in addresses - set(self.workers):
-                ch = grpc.insecure_channel(a, options=channel_options())
+                ch = make_channel(a, self.tls, worker_channel_options())
                 self.workers[a] = Worker(a, self.role, self._stub_cls(ch), ch)
             workers = list(self.workers.values())
         for w in workers:
@@ -97,16 +100,17 @@ class WorkerPool:
         blocks and state slots (as fractions) and running requests."""
         with self._lock:
             ws = [w for w in self.workers.values() if w.healthy]
+        # ties go to a random worker: requests arriving together would otherwise all pick the same one
         if self.role == "prefill":
             return sorted(ws, key=lambda w: (w.inflight_prompt_tokens + w.load.queued_prompt_tokens,
-                                             w.inflight_requests))
+                                             w.inflight_requests, random.random()))
 
         def cost(w):  # requests per unit of free capacity: spreads load, avoids nearly full workers
             ld = w.load
             kv = ld.free_kv_blocks / ld.total_kv_blocks if ld.total_kv_blocks else 0.0
             slots = ld.free_state_slots / ld.total_state_slots if ld.total_state_slots else 0.0
             return (1 + w.inflight_requests + ld.running_requests) / max(min(kv, slots), 1e-3)
-        return sorted(ws, key=cost)
+        return sorted(ws, key=lambda w: (cost(w), random.random()))
 
     def all(self) -> list[Worker]:
         with self._lock:

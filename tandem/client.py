@@ -9,14 +9,14 @@ import grpc
 from tandem.engine.sampling_params import SamplingParams
 from tandem.rpc import router_pb2, router_pb2_grpc
 from tandem.rpc.convert import sampling_to_proto
-from tandem.rpc.server import channel_options
+from tandem.rpc.server import Tls, make_channel
 
 
 class TandemClient:
-    def __init__(self, address: str, api_key: str | None = None):
+    def __init__(self, address: str, api_key: str | None = None, tls: Tls | None = None):
         self.address = address
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.channel = make_channel(address, tls)
         self.stub = router_pb2_grpc.TandemStub(self.channel)
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ START_TIMEOUT = 300.0
 
 class Child:
     def __init__(self, name: str, argv: list[str], own_session: bool = False):
-        self.name = name
+        self.name, self.argv = name, argv
         self.announced: queue.Queue = queue.Queue()
         self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -35,7 +35,8 @@ class Child:
         """Forwards the child's output, prefixed; hands its announcement line to whoever waits for it."""
         for line in self.proc.stdout:
             if line.startswith("TANDEM "):
-                self.announced.put(dict(kv.split("=", 1) for kv in line.split()[2:]))
+                words = line.split()
+                self.announced.put(dict([kv.split("=", 1) for kv in words[2:]], _kind=words[1]))
             else:
                 sys.stderr.write(f"[{self.name}] {line}")
 
@@ -64,6 +65,28 @@ def _engine_argv(args) -> list[str]:
     return argv
 
 
+def _tls_argv(args) -> list[str]:
+    return [*(["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []),
+            *(["--tls-ca", args.tls_ca] if args.tls_ca else [])]
+
+
+def _fault_for(fault: str | None, index: int) -> str | None:
+    """`FAULT` applies to every prefill worker, `FAULT@i` to prefill worker i only (a fault on one of several)."""
+    if not fault:
+        return None
+    name, _, only = fault.partition("@")
+    return name if not only or int(only) == index else None
+
+
+def _restart(child: "Child", ann: dict) -> "Child":
+    """The same worker again on the same ports, so the router's address for it stays valid."""
+    argv = list(child.argv)
+    argv[argv.index("--port") + 1] = ann["grpc"].rsplit(":", 1)[1]
+    if "transfer" in ann:
+        argv[argv.index("--transfer-port") + 1] = ann["transfer"].rsplit(":", 1)[1]
+    return Child(child.name, argv)
+
+
 def serve(args) -> int:
     gpus = torch.cuda.device_count()
     children: list[Child] = []
@@ -78,13 +101,15 @@ def serve(args) -> int:
                 device = args.device or (f"cuda:{len(children) % gpus}" if gpus else "cpu")
                 argv = [f"{role}-worker", *_engine_argv(args), "--device", device, "--host", args.host, "--port", "0",
                         "--worker-name", f"{role}-{i}", "--drain-timeout", str(args.drain_timeout),
-                        *(["--metrics-port", "0"] if args.metrics else [])]
+                        *(["--metrics-port", "0"] if args.metrics else []), *_tls_argv(args)]
                 if role == "decode":
                     argv += ["--transfer-port", "0"]
+                    if args.lease_seconds is not None:
+                        argv += ["--lease-seconds", str(args.lease_seconds)]
                 else:
                     argv += ["--transfer-backend", args.transfer_backend]
-                    if args.inject_fault:
-                        argv += ["--inject-fault", args.inject_fault]
+                    if _fault_for(args.inject_fault, i):
+                        argv += ["--inject-fault", _fault_for(args.inject_fault, i)]
                 children.append(Child(f"{role}-{i}", argv))
                 workers[role].append(children[-1])
         announced = {role: [c.wait_announced(deadline) for c in cs] for role, cs in workers.items()}
@@ -94,7 +119,11 @@ def serve(args) -> int:
                                   "--port", str(args.port), "--log-level", args.log_level, "--worker-name", "router",
                                   *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
                                   *(["--api-key-file", args.api_key_file] if args.api_key_file else []),
-                                  "--drain-timeout", str(args.drain_timeout),
+                                  "--drain-timeout", str(args.drain_timeout), *_tls_argv(args),
+                                  *(["--max-queued-requests", str(args.max_queued_requests)]
+                                    if args.max_queued_requests is not None else []),
+                                  *(["--decode-failover"] if args.decode_failover else []),
+                                  *(["--poll-seconds", str(args.poll_seconds)] if args.poll_seconds else []),
                                   *(["--metrics-port", str(args.metrics_port)] if args.metrics else []),
                                   *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
                                   "--prefill-workers", ",".join(addresses["prefill"]),
@@ -109,10 +138,28 @@ def serve(args) -> int:
               flush=True)
         if metrics:
             print(f"Prometheus metrics: {', '.join(f'http://{m}/metrics' for m in metrics)}", flush=True)
+        # pids and addresses per worker: fault tests kill one by pid and find it again after a restart
+        ann = {c.name: a for c, a in zip([*workers["prefill"], *workers["decode"]],
+                                         [*announced["prefill"], *announced["decode"]])}
+        pids = ",".join(f"{c.name}:{c.proc.pid}" for c in children)
         print(f"TANDEM serve grpc={where}" + (f" metrics={','.join(metrics)}" if metrics else "")
-              + (f" http={at['http']}" if "http" in at else ""), flush=True)
+              + (f" http={at['http']}" if "http" in at else "") + f" pids={pids}"
+              + " workers=" + ",".join(f"{n}@{a['grpc']}" for n, a in ann.items()), flush=True)
         while not stopping.wait(0.2):
             dead = [c for c in children if c.proc.poll() is not None]
+            if dead and args.restart_workers and dead[0] is not router:
+                # supervisor mode: a dead worker comes back on its ports; the router's poll finds it healthy again
+                c = dead[0]
+                print(f"{c.name} exited with code {c.proc.returncode}; restarting", file=sys.stderr)
+                new = _restart(c, ann[c.name])
+                children[children.index(c)] = new
+                try:
+                    new.wait_announced(time.monotonic() + START_TIMEOUT)
+                except RuntimeError as e:
+                    print(f"error: {e}; stopping", file=sys.stderr)
+                    return 1
+                print(f"TANDEM restarted name={c.name} pid={new.proc.pid} grpc={ann[c.name]['grpc']}", flush=True)
+                continue
             if dead:
                 print(f"{dead[0].name} exited with code {dead[0].proc.returncode}; stopping", file=sys.stderr)
                 return 1
@@ -157,14 +204,24 @@ def add_args(ap) -> None:
     ap.add_argument("--no-metrics", dest="metrics", action="store_false", help="serve no /metrics")
     ap.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP port")
     ap.add_argument("--log-level", default="WARNING")
-    ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers)")
+    ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers; FAULT@i: "
+                    "prefill worker i only)")
+    ap.add_argument("--lease-seconds", type=float, default=None, help="the decode workers' --lease-seconds")
+    ap.add_argument("--restart-workers", action="store_true",
+                    help="restart a worker that dies, on the same ports (default: a dead child stops everything)")
+    ap.add_argument("--max-queued-requests", type=int, default=None, help="the router's --max-queued-requests")
+    ap.add_argument("--decode-failover", action="store_true", help="the router's --decode-failover")
+    ap.add_argument("--poll-seconds", type=float, default=None, help="the router's --poll-seconds")
+    ap.add_argument("--tls-cert", default=None, help="PEM certificate of every process (TLS on every gRPC link)")
+    ap.add_argument("--tls-key", default=None, help="PEM key for --tls-cert")
+    ap.add_argument("--tls-ca", default=None, help="PEM CA: peers must present a certificate it signed (mTLS)")
 
 
 class ServeProcess:
     """`tandem serve` in a subprocess (its own session, so a kill reaches every child), ready when constructed;
     for tests and benchmarks."""
 
-    def __init__(self, *flags: str, start_timeout: float = 180.0, api_key: str | None = None):
+    def __init__(self, *flags: str, start_timeout: float = 180.0, api_key: str | None = None, tls=None):
         self.child = Child("serve", ["serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
                                      "--http-port", "0", *flags], own_session=True)
         self.proc = self.child.proc
@@ -176,8 +233,20 @@ class ServeProcess:
         self.address = at["grpc"]
         self.metrics = at.get("metrics", "").split(",")  # router first, then prefill, then decode workers
         self.http = at.get("http")
-        self.client = TandemClient(self.address, api_key)
+        self.pids = dict(kv.rsplit(":", 1) for kv in at.get("pids", "").split(",") if kv)  # name -> pid (str)
+        self.pids = {k: int(v) for k, v in self.pids.items()}
+        self.workers = dict(kv.split("@", 1) for kv in at.get("workers", "").split(",") if kv)  # name -> grpc
+        self.client = TandemClient(self.address, api_key, tls=tls)
         self.client.wait_ready(60)
+
+    def wait_restarted(self, name: str, timeout: float = 120.0) -> int:
+        """After a worker was killed under --restart-workers: waits for its announcement; returns the new pid."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ev = self.child.wait_announced(deadline)
+            if ev.get("_kind") == "restarted" and ev.get("name") == name:
+                self.pids[name] = int(ev["pid"])
+                return self.pids[name]
 
     def stop(self, timeout: float = 40.0) -> int:
         if self.proc.poll() is None:

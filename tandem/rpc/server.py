@@ -4,7 +4,9 @@ reflection (grpcurl), plus message-size limits and a drain that turns readiness 
 from __future__ import annotations
 
 import logging
+import ssl
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,9 +17,79 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def channel_options() -> list[tuple[str, int]]:
+def channel_options(max_receive: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+            ("grpc.max_receive_message_length", max_receive)]
+
+
+def worker_channel_options() -> list[tuple[str, int]]:
+    """The router's channels to workers: a restarted worker is reconnected within a second, not after gRPC's
+    default exponential backoff (up to two minutes)."""
+    return [*channel_options(), ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+@dataclass(frozen=True)
+class Tls:
+    """PEM files of one process. cert+key: it serves TLS and presents the cert as a client; ca: it verifies its
+    peers against this CA, and as a server it then requires client certificates (mTLS)."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+    @staticmethod
+    def from_args(args) -> "Tls | None":
+        cert, key, ca = getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None)
+        if bool(cert) != bool(key):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        if ca and not cert:  # every process serves: mTLS needs its own certificate too
+            raise SystemExit("--tls-ca needs --tls-cert and --tls-key")
+        return Tls(cert, key, ca) if cert or ca else None
+
+    def _read(self, path):
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self._read(self.key), self._read(self.cert))],
+                                           root_certificates=self._read(self.ca), require_client_auth=bool(self.ca))
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self._read(self.ca), private_key=self._read(self.key),
+                                            certificate_chain=self._read(self.cert))
+
+    def server_context(self, require_client_cert: bool = True) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert, self.key)
+        if self.ca and require_client_cert:
+            ctx.load_verify_locations(self.ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca) if self.ca else ssl.create_default_context()
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.cert:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+
+def add_tls_args(ap) -> None:
+    ap.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC (and the hand-off) over TLS")
+    ap.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    ap.add_argument("--tls-ca", default=None, help="PEM CA that peers' certificates must chain to; as a server, "
+                    "client certificates are then required (mTLS)")
+
+
+def make_channel(address: str, tls: Tls | None, options=None) -> grpc.Channel:
+    options = options if options is not None else channel_options()
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 def time_left(context, cap: float | None = None) -> float | None:
@@ -38,9 +110,13 @@ def on_end(context, fn) -> None:
 class Server:
     """Wraps grpc.server: `add(register_fn, servicer, full_service_name)`, then `start(host, port)`."""
 
-    def __init__(self, max_workers: int = 256, interceptors=()):
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=channel_options(),
-                                interceptors=list(interceptors))
+    def __init__(self, max_workers: int = 256, interceptors=(), tls: Tls | None = None,
+                 max_receive: int = MAX_MESSAGE_BYTES, max_concurrent_rpcs: int | None = None):
+        self.tls = tls
+        # max_concurrent_rpcs: beyond it grpc answers RESOURCE_EXHAUSTED at once instead of queueing the call
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                                options=channel_options(max_receive), interceptors=list(interceptors),
+                                maximum_concurrent_rpcs=max_concurrent_rpcs)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self._names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
@@ -51,7 +127,8 @@ class Server:
 
     def start(self, host: str, port: int) -> int:
         reflection.enable_server_reflection(self._names, self.grpc)
-        bound = self.grpc.add_insecure_port(f"{host}:{port}")
+        bound = (self.grpc.add_secure_port(f"{host}:{port}", self.tls.server_credentials()) if self.tls
+                 else self.grpc.add_insecure_port(f"{host}:{port}"))
         if not bound:
             raise OSError(f"cannot listen on {host}:{port}")
         self.grpc.start()

@@ -57,7 +57,9 @@ class TransferServer:
         on_header: Callable[[Manifest], None],
         on_payload: Callable[[Manifest, torch.Tensor], None],
         timeout: float = 60.0,  # bounds one payload receive, so a dead P frees its connection thread
+        ssl_context=None,  # server-side ssl.SSLContext: TLS (mTLS when it requires client certificates)
     ):
+        self.ssl_context = ssl_context
         self.host, self.port = host, port
         self.device = torch.device(device)
         self.on_header, self.on_payload = on_header, on_payload
@@ -106,6 +108,8 @@ class TransferServer:
                     log.exception("transfer server accept failed")
                 return
             sock.settimeout(None)
+            if self.ssl_context is not None:  # the handshake runs on the connection's own thread (_serve)
+                sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             ch = Channel(sock)
             t = threading.Thread(target=self._serve, args=(ch,), name="transfer-conn", daemon=True)
             with self._lock:
@@ -117,6 +121,9 @@ class TransferServer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: the callbacks' default device is D's
         try:
+            if self.ssl_context is not None:
+                ch.settimeout(10.0)  # a peer that never finishes its handshake does not hold the thread
+                ch.sock.do_handshake()
             while not self._stopping.is_set():
                 ch.settimeout(None)  # idle persistent connection: wait for the next transfer
                 try:
@@ -205,7 +212,8 @@ class _Peer:
 class TransferClient:
     """Sends hand-offs from P. Thread-safe; sends to different D addresses run in parallel."""
 
-    def __init__(self, backend: str, device: str | torch.device):
+    def __init__(self, backend: str, device: str | torch.device, ssl_context=None):
+        self.ssl_context = ssl_context
         if backend not in BACKENDS:
             raise ValueError(f"unknown transfer backend {backend!r}, expected one of {BACKENDS}")
         self.backend = backend
@@ -219,7 +227,8 @@ class TransferClient:
                 self._peers[address] = _Peer(address)
             return self._peers[address]
 
-    def send(self, address: str, manifest: Manifest, flat: torch.Tensor, timeout: float = 30.0) -> tuple[int, float]:
+    def send(self, address: str, manifest: Manifest, flat: torch.Tensor, timeout: float = 30.0,
+             before_payload: Callable[[], None] | None = None) -> tuple[int, float]:
         """Hand `flat` (from manifest.pack) to the D at address. Returns (bytes, seconds).
 
         A CUDA `flat` must be ready on the current stream. Raises TransferRejected when D refuses (the connection
@@ -233,18 +242,28 @@ class TransferClient:
         peer = self._peer(address)
         with peer.lock:
             t0 = time.perf_counter()
-            try:
-                self._send_locked(peer, manifest, flat, timeout)
-            except TransferRejected:
-                raise  # D answered cleanly: the connection stays usable
-            except Exception as e:
-                peer.reset()
-                raise TransferError(f"hand-off of {manifest.request_id} to {address} failed: {_error_text(e)}") from e
+            for attempt in (0, 1):
+                reused, sent = peer.ch is not None, [False]
+                try:
+                    self._send_locked(peer, manifest, flat, timeout, before_payload, sent)
+                    break
+                except TransferRejected:
+                    raise  # D answered cleanly: the connection stays usable
+                except Exception as e:
+                    peer.reset()
+                    # a kept-alive connection to a D that has since restarted fails before D ever read the header
+                    # (so the lease's token is unspent): one retry on a fresh connection
+                    if attempt == 0 and reused and not sent[0]:
+                        log.info("hand-off connection to %s was stale (%s); reconnecting", address, _error_text(e))
+                        continue
+                    raise TransferError(f"hand-off of {manifest.request_id} to {address} failed: "
+                                        f"{_error_text(e)}") from e
             return manifest.total_bytes, time.perf_counter() - t0
 
-    def _send_locked(self, peer: _Peer, manifest: Manifest, flat: torch.Tensor, timeout: float) -> None:
+    def _send_locked(self, peer: _Peer, manifest: Manifest, flat: torch.Tensor, timeout: float,
+                     before_payload=None, sent=None) -> None:
         if peer.ch is None:
-            peer.ch = Channel.connect(peer.address, timeout)
+            peer.ch = Channel.connect(peer.address, timeout, self.ssl_context)
             peer.sender = _SENDERS[self.backend](self.device)
         ch = peer.ch
         ch.settimeout(timeout)
@@ -252,6 +271,10 @@ class TransferClient:
         extra = peer.sender.prepare(ch, manifest, flat, timeout) if n else {}
         ch.send_frame({"type": "transfer", "backend": self.backend, "manifest": manifest.to_dict(), "extra": extra})
         _expect_ok(ch.recv_frame())
+        if sent is not None:
+            sent[0] = True  # D accepted the header: its token is spent, no silent retry from here
+        if before_payload is not None:  # fault injection (a stalled hand-off); raising drops the connection
+            before_payload()
         if n:
             peer.sender.push(ch, manifest, flat, timeout)
         _expect_ok(ch.recv_frame())

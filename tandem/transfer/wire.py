@@ -37,8 +37,16 @@ class Channel:
         self.sock = sock
 
     @classmethod
-    def connect(cls, address: str, timeout: float) -> Channel:
-        return cls(socket.create_connection(parse_address(address), timeout=timeout))
+    def connect(cls, address: str, timeout: float, ssl_context=None) -> Channel:
+        host, port = parse_address(address)
+        sock = socket.create_connection((host, port), timeout=timeout)
+        if ssl_context is not None:  # TLS on the control socket (and the tcp backend's payload)
+            try:
+                sock = ssl_context.wrap_socket(sock, server_hostname=host)
+            except Exception:
+                sock.close()
+                raise
+        return cls(sock)
 
     def settimeout(self, timeout: float | None) -> None:
         self.sock.settimeout(timeout)
