@@ -104,6 +104,14 @@ if HAS_TRITON:
             c += B_CHUNK
 
     @triton.jit
+    def _block_rows(sorted_ptr, block_expert_ptr, pid_m, N_PAIRS, BLOCK_M: tl.constexpr):
+        """A block's expert, its rows in the sorted order, their token-expert pair ids and which are real."""
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        return e, offs_m, pair, pair < N_PAIRS
+
+    @triton.jit
     def _moe_gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr, N_PAIRS, stride_x,
                             TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -112,10 +120,7 @@ if HAS_TRITON:
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + offs_m)
-        valid = pair < N_PAIRS
+        e, offs_m, pair, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, N_PAIRS, BLOCK_M)
         tok = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < I
@@ -153,10 +158,7 @@ if HAS_TRITON:
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + offs_m)
-        valid = pair < N_PAIRS
+        e, offs_m, pair, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, N_PAIRS, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < H
         k = tl.arange(0, BLOCK_K)
