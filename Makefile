@@ -20,11 +20,12 @@ setup: $(STAMP)
 
 # router + 1 prefill + 1 decode worker (separate processes), one request through them, then a clean shutdown
 PORT ?= 50051
-MODEL ?= tiny-moe
+MODEL ?= models/tandem-tiny
 run: $(STAMP)
 	@$(BIN)/tandem serve --model $(MODEL) --port $(PORT) --metrics-port 0 --http-port 0 & pid=$$!; \
 	trap 'kill -TERM $$pid 2>/dev/null; wait $$pid' EXIT; \
-	$(BIN)/tandem request --address 127.0.0.1:$(PORT) --prompt-token-ids 1,2,3,4,5 --max-tokens 16 --wait 300
+	$(BIN)/tandem request --address 127.0.0.1:$(PORT) --chat --prompt "Hello! What can you do?" --max-tokens 48 \
+		--wait 300
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -10,7 +10,8 @@ from router.workers import WorkerPool
 from tandem.rpc import router_pb2, router_pb2_grpc
 from tandem.rpc.server import Server, Tls, add_tls_args
 from tandem.tokenizer import load_tokenizer_for
-from tandem.worker_setup import (add_server_args, advertise_host, announce, model_config, serve_until_signalled,
+from tandem.worker_setup import (DEFAULT_MODEL, add_server_args, advertise_host, announce, model_config,
+                                 serve_until_signalled,
                                  served_model_name, start_metrics)
 
 
@@ -19,7 +20,7 @@ def _list(s: str | None) -> list[str]:
 
 
 def add_args(ap) -> None:
-    ap.add_argument("--model", default="tiny-moe", help="checkpoint directory or preset name (as the workers')")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or preset name (as the workers')")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--num-speculative-tokens", type=int, default=2)
     add_server_args(ap, port=50051)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tandem.worker_setup import DEFAULT_MODEL
+
 
 def _generate(args) -> int:
     from tandem import LLM, SamplingParams
@@ -30,6 +32,9 @@ def _generate(args) -> int:
     return 0
 
 
+CHATML = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def _request(args) -> int:
     from tandem import SamplingParams
     from tandem.client import TandemClient
@@ -38,6 +43,10 @@ def _request(args) -> int:
     prompt = [int(t) for t in args.prompt_token_ids.split(",")] if args.prompt_token_ids else args.prompt
     if prompt is None:
         raise ValueError("give --prompt or --prompt-token-ids")
+    if args.chat:
+        if not isinstance(prompt, str):
+            raise ValueError("--chat needs a text --prompt")
+        prompt = CHATML.format(prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     with TandemClient(args.address) as client:
@@ -85,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("request", help="send one request to a router and print the result")
     r.add_argument("--address", default="127.0.0.1:50051")
     r.add_argument("--prompt", default=None)
+    r.add_argument("--chat", action="store_true", help="send --prompt as one user turn in ChatML (Qwen's format)")
     r.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids")
     r.add_argument("--max-tokens", type=int, default=16)
     r.add_argument("--temperature", type=float, default=0.0)
@@ -94,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds")
     r.set_defaults(fn=_request)
     g = sub.add_parser("generate", help="offline generation with the colocated engine")
-    g.add_argument("--model", default="tiny-moe", help="checkpoint directory or preset name")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or preset name")
     g.add_argument("--prompt", default=None, help="text prompt (needs a tokenizer in the model directory)")
     g.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids")
     g.add_argument("--max-tokens", type=int, default=16)

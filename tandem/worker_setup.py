@@ -17,9 +17,14 @@ from tandem.model.presets import PRESETS, preset_config
 
 log = logging.getLogger(__name__)
 
+# The embedded default: the trained tandem-tiny checkpoint of this repository (a random-weight preset when the
+# package is installed without it).
+_REPO_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tandem-tiny")
+DEFAULT_MODEL = _REPO_MODEL if os.path.isdir(_REPO_MODEL) else "tiny-moe"
+
 
 def add_engine_args(ap) -> None:
-    ap.add_argument("--model", default="tiny-moe", help="checkpoint directory or preset name")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or preset name")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when available)")
     ap.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
