@@ -261,12 +261,13 @@ class ServeProcess:
         return self.proc.returncode
 
     def wait_idle(self, timeout: float = 15.0):
-        """Until every worker reports nothing in use (blocks, slots, leases, requests); returns the last report."""
+        """Until every worker is healthy and reports nothing in use (blocks, slots, leases, requests); returns the
+        last report."""
         deadline = time.monotonic() + timeout
         while True:
             info = self.client.server_info()
             busy = [w for w in info.workers
-                    if w.load.free_kv_blocks != w.load.total_kv_blocks or w.load.active_leases
+                    if not w.healthy or w.load.free_kv_blocks != w.load.total_kv_blocks or w.load.active_leases
                     or w.load.free_state_slots != w.load.total_state_slots or w.load.running_requests
                     or w.load.waiting_requests]
             if not busy or time.monotonic() > deadline:
