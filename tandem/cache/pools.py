@@ -5,6 +5,9 @@
 - GDN: conv state `[slots, conv_dim, K-1]` in the model dtype and recurrent state `[slots, nv, dk, dv]` in the
   config's ssm dtype (fp32 for Qwen3.5); slot 0 is the null slot. A slot is zeroed when handed out, so a new
   request always starts from the empty state.
+
+Under tensor parallelism each rank's pools hold its own heads only (KV heads, GDN key/value heads and their conv
+channels); block and slot numbers are the same on every rank, handed out by rank 0's allocators.
 """
 
 from __future__ import annotations
@@ -13,16 +16,18 @@ import torch
 
 from tandem.cache.allocator import CountingAllocator
 from tandem.config import EngineConfig, ModelConfig
+from tandem.parallel import SINGLE, TPGroup
 
 
 class CachePools:
-    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool = False):
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool = False, tp: TPGroup = SINGLE):
         dev, dt = ecfg.device, ecfg.dtype
         self.blocks = CountingAllocator(ecfg.num_kv_blocks, "kv blocks")
         self.slots = CountingAllocator(ecfg.num_state_slots + 1, "gdn state slots")
-        kv_shape = (ecfg.num_kv_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-        conv_shape = (ecfg.num_state_slots + 1, cfg.conv_dim, cfg.conv_kernel - 1)
-        rec_shape = (ecfg.num_state_slots + 1, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)
+        n = tp.world_size
+        kv_shape = (ecfg.num_kv_blocks, ecfg.block_size, cfg.num_kv_heads // n, cfg.head_dim)
+        conv_shape = (ecfg.num_state_slots + 1, cfg.conv_dim // n, cfg.conv_kernel - 1)
+        rec_shape = (ecfg.num_state_slots + 1, cfg.gdn_num_v_heads // n, cfg.gdn_k_dim, cfg.gdn_v_dim)
         ssm_dtype = cfg.ssm_dtype or dt
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for t in cfg.layer_types:
@@ -37,7 +42,10 @@ class CachePools:
 
     def allocate_slots(self, n: int) -> list[int]:
         slots = self.slots.allocate(n)
+        self.zero_slots(slots)
+        return slots
+
+    def zero_slots(self, slots: list[int]) -> None:
         for conv, rec in self._gdn:
             conv[slots] = 0
             rec[slots] = 0
-        return slots

@@ -19,19 +19,27 @@ from tandem.engine.spec import SpecStats, draft
 from tandem.engine.sequence import Sequence, Status
 from tandem.model.loader import load_checkpoint
 from tandem.model.presets import PRESETS, preset_config, random_model
+from tandem.parallel import SINGLE, LeaderModel, TPGroup, check_divisible, launch
 from tandem.tokenizer import load_tokenizer
 
 
-def load_model(model: str, device: str, dtype: torch.dtype, seed: int = 0):
-    """A directory with a checkpoint, or a preset name (random weights). Returns (cfg, model, model_dir)."""
+def model_config(model: str) -> tuple[ModelConfig, str | None]:
+    """The config of a checkpoint directory or a preset name; returns (cfg, model_dir or None)."""
     if os.path.isdir(model):
-        cfg = ModelConfig.from_dir(model)
-        net = load_checkpoint(model, cfg, device, dtype)
-        return cfg, net, model
+        return ModelConfig.from_dir(model), model
     if model in PRESETS:
-        cfg = preset_config(model)
-        return cfg, random_model(cfg, device, dtype, seed), None
+        return preset_config(model), None
     raise ValueError(f"model {model!r} is neither a directory nor a preset ({sorted(PRESETS)})")
+
+
+def load_model(model: str, device: str, dtype: torch.dtype, seed: int = 0, tp: TPGroup = SINGLE):
+    """A directory with a checkpoint, or a preset name (random weights); under tensor parallelism this rank's
+    shard. Returns (cfg, model, model_dir)."""
+    cfg, model_dir = model_config(model)
+    check_divisible(cfg, tp.world_size)
+    if model_dir is not None:
+        return cfg, load_checkpoint(model_dir, cfg, device, dtype, tp=tp), model_dir
+    return cfg, random_model(cfg, device, dtype, seed, tp), None
 
 
 def parse_speculative_config(spec: dict | None) -> int:
@@ -59,13 +67,21 @@ class Engine:
     """Owns the model, the cache pools, the scheduler and the runner; `step()` runs one batched forward.
 
     `prefill_only`: the engine of a prefill worker; requests leave through `take_prefilled` after their first token.
-    A decode worker's engine takes requests through `reserve` + `install_prefilled` instead of `add_request`."""
+    A decode worker's engine takes requests through `reserve` + `install_prefilled` instead of `add_request`.
+
+    Tensor parallelism: `model` is then rank 0's `LeaderModel`; this engine schedules and samples for all ranks,
+    and its pools hold rank 0's heads (the other ranks keep theirs, at the same block and slot numbers)."""
 
     def __init__(self, cfg: ModelConfig, model, ecfg: EngineConfig, prefill_only: bool = False):
         self.cfg, self.ecfg = cfg, ecfg
         if ecfg.num_speculative_tokens and not hasattr(model, "mtp"):
             raise ValueError("speculative decoding with MTP needs a model with an MTP head (mtp.* weights)")
-        self.pools = CachePools(cfg, ecfg, with_mtp=hasattr(model, "mtp"))
+        self.tp = getattr(model, "tp", SINGLE)
+        if self.tp.world_size > 1 and prefill_only:
+            raise NotImplementedError("disaggregated roles (prefill_only) are not built for tensor parallelism yet")
+        self.pools = CachePools(cfg, ecfg, with_mtp=hasattr(model, "mtp"), tp=self.tp)
+        if isinstance(model, LeaderModel):
+            model.attach(self.pools)
         self.spec_stats = SpecStats(ecfg.num_speculative_tokens)
         self._emulation_rng = torch.Generator().manual_seed(0)
         self.scheduler = Scheduler(ecfg, self.pools, prefill_only)
@@ -94,6 +110,8 @@ class Engine:
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence | None:
         """Decode worker: holds a request's blocks and slots for its hand-off; None when they are not free now.
         Raises ValueError for a request that can never fit."""
+        if self.tp.world_size > 1:
+            raise NotImplementedError("hand-offs into a tensor-parallel engine are not built yet")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         if not self.scheduler.reserve(seq):
             return None
@@ -245,21 +263,40 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM(model="tiny-moe").generate([{"prompt_token_ids": [...]}], SamplingParams(...))`."""
+    """`LLM(model="tiny-moe").generate([{"prompt_token_ids": [...]}], SamplingParams(...))`.
+
+    `tensor_parallel_size` > 1 spawns ranks 1.. as processes of their own (gloo on the CPU, NCCL with one GPU
+    per rank); this process is rank 0. `close()` (or leaving a `with` block, or exit) stops them."""
 
     def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str | None = None,
                  max_num_seqs: int = 64, max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
                  block_size: int = 16, seed: int = 0, speculative_config: dict | None = None,
-                 emulated_acceptance: tuple[float, ...] | None = None):
+                 emulated_acceptance: tuple[float, ...] | None = None, tensor_parallel_size: int = 1):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         ecfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
                             num_speculative_tokens=parse_speculative_config(speculative_config),
                             emulated_acceptance=emulated_acceptance)
-        cfg, net, model_dir = load_model(model, device, ecfg.dtype, seed)
+        if tensor_parallel_size == 1:
+            cfg, net, model_dir = load_model(model, device, ecfg.dtype, seed)
+        else:
+            check_divisible(model_config(model)[0], tensor_parallel_size)  # before starting any process
+            cfg, net, model_dir = launch(model, ecfg, seed, tensor_parallel_size)
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = Engine(cfg, net, ecfg)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do on one rank)."""
+        model = self.engine.runner.model
+        if isinstance(model, LeaderModel):
+            model.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:

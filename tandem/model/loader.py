@@ -4,6 +4,8 @@ Accepts single-file and sharded (`model.safetensors.index.json`) checkpoints; HF
 `model.language_model.` prefix (`model.visual.*` ignored); experts fused (3-D) or per expert; Qwen3-Next's
 interleaved `in_proj_qkvz` / `in_proj_ba` (converted to the 3.5 split layout); `mtp.*` into the MTP head
 (`model.mtp`, present when the checkpoint has those tensors). Each tensor goes straight to the device and dtype; nothing is staged in a second full CPU copy.
+Under tensor parallelism a rank reads only its part of each split tensor (safetensors slices) and only its
+experts; the Qwen3-Next packed projections are read whole, converted, then cut.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tqdm import tqdm
 from tandem.config import ModelConfig
 from tandem.model.qwen3_5 import Qwen3_5ForCausalLM
 from tandem.ops.rope import inv_frequencies
+from tandem.parallel import SINGLE, TPGroup
 
 
 class CheckpointError(ValueError):
@@ -36,10 +39,12 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_empty_model(cfg: ModelConfig, device: str, dtype: torch.dtype, with_mtp: bool = False) -> Qwen3_5ForCausalLM:
-    """Allocates (uninitialised) parameters directly on `device` in `dtype`; inv_freq stays fp32."""
+def build_empty_model(cfg: ModelConfig, device: str, dtype: torch.dtype, with_mtp: bool = False,
+                      tp: TPGroup = SINGLE) -> Qwen3_5ForCausalLM:
+    """Allocates (uninitialised) parameters directly on `device` in `dtype`; inv_freq stays fp32. With `tp`, only
+    this rank's shard."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = Qwen3_5ForCausalLM(cfg, with_mtp)
+        model = Qwen3_5ForCausalLM(cfg, with_mtp, tp)
     model.to_empty(device=device)
     model.inv_freq = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, device=device)
     return model.eval().requires_grad_(False)
@@ -69,59 +74,99 @@ def _canonical(name: str) -> str | None:
 
 
 class _Writer:
-    """Copies checkpoint tensors into the model's parameters, converting layouts on the way."""
+    """Copies checkpoint tensors into the model's parameters, converting layouts on the way. Under tensor
+    parallelism each parameter gets this rank's part only, read as slices of the checkpoint tensor."""
 
     def __init__(self, model: Qwen3_5ForCausalLM):
-        self.model, self.cfg = model, model.cfg
+        self.model, self.cfg, self.tp = model, model.cfg, model.tp
         self.params = dict(model.named_parameters())
+        self.splits = model.parameter_splits() if self.tp.world_size > 1 else {}
+        self.device, self.dtype = model.inv_freq.device, model.model.embed_tokens.weight.dtype
         self.loaded: set[str] = set()
         self.partial: dict[str, set] = {}  # fused params assembled from pieces
         self.problems: list[str] = []
 
-    def _copy(self, name: str, t: torch.Tensor, index=None):
-        p = self.params.get(name)
-        if p is None:
-            self.problems.append(f"unexpected tensor {name} {tuple(t.shape)}")
-            return
-        dst = p.data if index is None else p.data[index]
-        if tuple(dst.shape) != tuple(t.shape):
-            self.problems.append(f"mis-shaped tensor {name}: checkpoint {tuple(t.shape)}, model {tuple(dst.shape)}")
-            return
-        dst.copy_(t)
-        if index is None:
+    def _full_shape(self, name: str) -> tuple[int, ...]:
+        shape = list(self.params[name].shape)
+        split = self.splits.get(name)
+        if split is not None:
+            shape[split.dim] *= self.tp.world_size
+        return tuple(shape)
+
+    def _fits(self, name: str, shape) -> bool:
+        """Whether the checkpoint tensor `name` of (full) `shape` belongs to the model; records why not."""
+        if name not in self.params:
+            self.problems.append(f"unexpected tensor {name} {tuple(shape)}")
+            return False
+        if tuple(shape) != self._full_shape(name):
+            self.problems.append(f"mis-shaped tensor {name}: checkpoint {tuple(shape)}, model {self._full_shape(name)}")
+            return False
+        return True
+
+    def _put(self, name: str, t: torch.Tensor):
+        """A full tensor (already converted): this rank's part goes in."""
+        if self._fits(name, t.shape):
+            split = self.splits.get(name)
+            self.params[name].data.copy_(self.tp.shard(t, split) if split is not None else t)
             self.loaded.add(name)
 
-    def add(self, name: str, read):
-        name = _canonical(name)
+    def _read(self, f, key: str, name: str):
+        """Copies this rank's part of checkpoint tensor `key` into parameter `name`, reading only that part."""
+        sl = f.get_slice(key)
+        if not self._fits(name, sl.get_shape()):
+            return
+        split = self.splits.get(name)
+        if split is None:
+            t = f.get_tensor(key)
+        else:
+            lead = (slice(None),) * split.dim
+            parts = [sl[lead + (slice(a, b),)] for a, b in split.ranges(sl.get_shape()[split.dim], self.tp.rank,
+                                                                        self.tp.world_size)]
+            t = torch.cat(parts, split.dim) if len(parts) > 1 else parts[0]
+        self.params[name].data.copy_(t.to(self.device, self.dtype))
+        self.loaded.add(name)
+
+    def add(self, key: str, f):
+        """Checkpoint tensor `key` of the open safetensors file `f`."""
+        name = _canonical(key)
         if name is None:
             return
-        device, dtype = self.model.inv_freq.device, self.model.model.embed_tokens.weight.dtype
         m = _PER_EXPERT.match(name)
         if m:
-            self._add_expert(m.group(1), int(m.group(2)), m.group(3), read().to(device, dtype))
+            read = lambda: f.get_tensor(key).to(self.device, self.dtype)  # noqa: E731 -- only for this rank's experts
+            self._add_expert(m.group(1), int(m.group(2)), m.group(3), read)
             return
         if name.endswith(".linear_attn.in_proj_qkvz.weight") or name.endswith(".linear_attn.in_proj_ba.weight"):
-            self._add_qwen3_next_projection(name, read().to(device, dtype))
+            self._add_qwen3_next_projection(name, f.get_tensor(key).to(self.device, self.dtype))
             return
         if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
             return  # tied: the embedding is the head
-        self._copy(name, read().to(device, dtype))
+        self._read(f, key, name)
 
-    def _add_expert(self, prefix: str, e: int, which: str, t: torch.Tensor):
+    def _add_expert(self, prefix: str, e: int, which: str, read):
         inter = self.cfg.moe_intermediate_size
-        if which == "down_proj":
-            target, index = f"{prefix}.down_proj", (e,)
-        else:
-            target = f"{prefix}.gate_up_proj"
-            index = (e, slice(0, inter)) if which == "gate_proj" else (e, slice(inter, 2 * inter))
+        target = f"{prefix}.down_proj" if which == "down_proj" else f"{prefix}.gate_up_proj"
         if target not in self.params or e >= self.cfg.num_experts:
             self.problems.append(f"unexpected tensor {prefix}.{e}.{which}.weight")
             return
-        self._copy(target, t, index)
+        first, local = self.tp.rank * self.params[target].shape[0], self.params[target].shape[0]
+        if not first <= e < first + local:
+            return  # another rank's expert
+        e -= first
+        if which == "down_proj":
+            index = (e,)
+        else:
+            index = (e, slice(0, inter)) if which == "gate_proj" else (e, slice(inter, 2 * inter))
+        t = read()
+        dst = self.params[target].data[index]
+        if tuple(dst.shape) != tuple(t.shape):
+            self.problems.append(f"mis-shaped tensor {prefix}.{e + first}.{which}.weight: checkpoint "
+                                 f"{tuple(t.shape)}, model {tuple(dst.shape)}")
+            return
+        dst.copy_(t)
         pieces = self.partial.setdefault(target, set())
         pieces.add((e, which))
-        want = self.cfg.num_experts * (1 if which == "down_proj" else 2)
-        if len(pieces) == want:
+        if len(pieces) == local * (1 if which == "down_proj" else 2):
             self.loaded.add(target)
 
     def _add_qwen3_next_projection(self, name: str, t: torch.Tensor):
@@ -133,12 +178,12 @@ class _Writer:
         if name.endswith("in_proj_qkvz.weight"):
             g = t.view(nk, 2 * c.gdn_k_dim + 2 * r * c.gdn_v_dim, H)
             q, k, v, z = g.split([c.gdn_k_dim, c.gdn_k_dim, r * c.gdn_v_dim, r * c.gdn_v_dim], dim=1)
-            self._copy(f"{base}.in_proj_qkv.weight", torch.cat([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)]))
-            self._copy(f"{base}.in_proj_z.weight", z.reshape(-1, H))
+            self._put(f"{base}.in_proj_qkv.weight", torch.cat([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)]))
+            self._put(f"{base}.in_proj_z.weight", z.reshape(-1, H))
         else:
             b, a = t.view(nk, 2 * r, H).split([r, r], dim=1)
-            self._copy(f"{base}.in_proj_b.weight", b.reshape(-1, H))
-            self._copy(f"{base}.in_proj_a.weight", a.reshape(-1, H))
+            self._put(f"{base}.in_proj_b.weight", b.reshape(-1, H))
+            self._put(f"{base}.in_proj_a.weight", a.reshape(-1, H))
 
     def finish(self):
         missing = sorted(set(self.params) - self.loaded)
@@ -155,17 +200,19 @@ def _has_mtp_tensors(files: list[str]) -> bool:
     return False
 
 
-def load_checkpoint(path: str, cfg: ModelConfig, device: str, dtype: torch.dtype, progress: bool = True):
+def load_checkpoint(path: str, cfg: ModelConfig, device: str, dtype: torch.dtype, progress: bool = True,
+                    tp: TPGroup = SINGLE):
     """Returns the model with every tensor loaded from the checkpoint in `path`; it has an MTP head (`.mtp`)
-    when the config declares one and the checkpoint holds its `mtp.*` weights."""
+    when the config declares one and the checkpoint holds its `mtp.*` weights. Under tensor parallelism, this
+    rank's shard of it."""
     files = _checkpoint_files(path)
     with_mtp = cfg.num_mtp_layers > 0 and _has_mtp_tensors(files)
-    model = build_empty_model(cfg, device, dtype, with_mtp)
+    model = build_empty_model(cfg, device, dtype, with_mtp, tp)
     writer = _Writer(model)
     with torch.no_grad():
         for file in tqdm(files, desc="loading shards", disable=not progress or len(files) < 2):
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in f.keys():
-                    writer.add(name, lambda n=name: f.get_tensor(n))
+                    writer.add(name, f)
     writer.finish()
     return model

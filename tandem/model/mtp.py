@@ -3,7 +3,8 @@
 At position t it combines the target's final post-norm hidden h_t with the embedding of the next token x_{t+1}:
     u = fc([norm_e(embed(x_{t+1})), norm_h(h_t)]);  u = layer(u);  out = norm(u);  logits = lm_head(out)
 `layer` is one gated full-attention decoder layer (MoE when the model is MoE) with its own paged KV cache, indexed
-by position t. Drafting k > 1 tokens runs the same head again at position t+1 on its own output `out` and its own
+by position t (split across tensor-parallel ranks like the target's layers; fc and the norms are replicated).
+Drafting k > 1 tokens runs the same head again at position t+1 on its own output `out` and its own
 draft token.
 """
 
@@ -15,16 +16,17 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.model.batch import ForwardBatch
 from tandem.model.qwen3_5 import DecoderLayer, RMSNorm1p
+from tandem.parallel import SINGLE, TPGroup
 
 
 class MTPHead(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
         H = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNorm1p(H, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm1p(H, cfg.rms_norm_eps)
         self.fc = nn.Linear(2 * H, H, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, is_attention=True, is_moe=any(cfg.moe_layers))])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, is_attention=True, is_moe=any(cfg.moe_layers), tp=tp)])
         self.norm = RMSNorm1p(H, cfg.rms_norm_eps)
 
     def forward(self, next_token_embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, inv_freq,

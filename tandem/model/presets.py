@@ -10,6 +10,8 @@ import torch
 
 from tandem.config import ModelConfig
 from tandem.model.loader import build_empty_model
+from tandem.model.qwen3_5 import Qwen3_5ForCausalLM
+from tandem.parallel import SINGLE, TPGroup
 
 _COMMON = dict(
     linear_conv_kernel_dim=4, rms_norm_eps=1e-6, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -56,19 +58,29 @@ def preset_config(name: str) -> ModelConfig:
 
 
 @torch.no_grad()
-def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0):
-    """Random weights with stable activations: N(0, 0.02) matrices, small norm offsets, sane GDN decay."""
-    model = build_empty_model(cfg, device, dtype, with_mtp=cfg.num_mtp_layers > 0)
+def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0, tp: TPGroup = SINGLE):
+    """Random weights with stable activations: N(0, 0.02) matrices, small norm offsets, sane GDN decay.
+    Every rank draws the full tensors in the same order, one at a time, and keeps its part: a tensor-parallel
+    model holds exactly the single-process model's weights."""
+    model = build_empty_model(cfg, device, dtype, with_mtp=cfg.num_mtp_layers > 0, tp=tp)
+    splits, full_shapes = {}, {}
+    if tp.world_size > 1:
+        splits = model.parameter_splits()
+        with torch.device("meta"):
+            full_shapes = {n: p.shape for n, p in Qwen3_5ForCausalLM(cfg, cfg.num_mtp_layers > 0).named_parameters()}
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
+        full = torch.empty(full_shapes[name], dtype=p.dtype, device=p.device) if name in splits else p.data
         if name.endswith("A_log"):
-            p.uniform_(0.0, 2.0, generator=gen)
+            full.uniform_(0.0, 2.0, generator=gen)
         elif name.endswith("dt_bias"):
-            p.fill_(1.0)
+            full.fill_(1.0)
         elif name.endswith("linear_attn.norm.weight"):
-            p.fill_(1.0)
-        elif p.ndim == 1:  # zero-centred norms: weight 0 means scale 1
-            p.normal_(0.0, 0.1, generator=gen)
+            full.fill_(1.0)
+        elif full.ndim == 1:  # zero-centred norms: weight 0 means scale 1
+            full.normal_(0.0, 0.1, generator=gen)
         else:
-            p.normal_(0.0, 0.02, generator=gen)
+            full.normal_(0.0, 0.02, generator=gen)
+        if name in splits:
+            p.copy_(tp.shard(full, splits[name]))
     return model

@@ -3,6 +3,12 @@
 Layer i is Gated DeltaNet ("linear_attention") or gated full attention; every block is pre-norm:
 `h += mixer(norm1(h)); h += ffn(norm2(h))`. Parameter names mirror the Hugging Face checkpoint
 (`model.layers.{i}.linear_attn.in_proj_qkv`, ...), so the loader maps names one to one.
+
+Tensor parallelism (`tp`, see `tandem/parallel.py`): each rank holds a share of the attention heads, of the GDN key
+and value heads, of the MLP channels and of the experts. Input projections are column-parallel (this rank's
+heads or channels), output projections row-parallel, so a mixer or FFN returns this rank's partial sum of its
+output and the block all-reduces it. Embedding, norms, router and lm_head are replicated. `tp_splits` on a
+module says how its full checkpoint tensors are cut (`Split`, collected by `parameter_splits`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from tandem.ops.gdn import causal_conv1d, gated_delta_rule
 from tandem.ops.moe import fused_experts, route
 from tandem.ops.norm import gated_rms_norm, rms_norm_1p
 from tandem.ops.rope import apply_partial_rope, inv_frequencies
+from tandem.parallel import SINGLE, Split, TPGroup
 
 
 class RMSNorm1p(nn.Module):
@@ -49,20 +56,29 @@ def _linear(n_in: int, n_out: int) -> nn.Linear:
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
-        self.nk, self.nv, self.dk, self.dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
-        self.in_proj_qkv = _linear(cfg.hidden_size, cfg.conv_dim)
+        # This rank's key heads and their value heads: value head h reads key head h // (nv / nk), so a
+        # contiguous share of each keeps every value head with its key head.
+        self.nk = tp.part(cfg.gdn_num_k_heads, "linear_num_key_heads")
+        self.nv = tp.part(cfg.gdn_num_v_heads, "linear_num_value_heads")
+        self.dk, self.dv = cfg.gdn_k_dim, cfg.gdn_v_dim
+        conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
+        self.in_proj_qkv = _linear(cfg.hidden_size, conv_dim)
         self.in_proj_z = _linear(cfg.hidden_size, self.nv * self.dv)
         self.in_proj_b = _linear(cfg.hidden_size, self.nv)
         self.in_proj_a = _linear(cfg.hidden_size, self.nv)
         # HF stores the depthwise conv as Conv1d weight [C, 1, K]; we keep that shape for loading.
         self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(cfg.conv_dim, 1, cfg.conv_kernel))
+        self.conv1d.weight = nn.Parameter(torch.empty(conv_dim, 1, cfg.conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.A_log = nn.Parameter(torch.zeros(self.nv))
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)  # per head: stays local
         self.out_proj = _linear(self.nv * self.dv, cfg.hidden_size)
+        qkv = Split(0, (cfg.gdn_num_k_heads * self.dk, cfg.gdn_num_k_heads * self.dk, cfg.gdn_num_v_heads * self.dv))
+        self.tp_splits = {"in_proj_qkv.weight": qkv, "conv1d.weight": qkv, "in_proj_z.weight": Split(0),
+                          "in_proj_b.weight": Split(0), "in_proj_a.weight": Split(0), "dt_bias": Split(0),
+                          "A_log": Split(0), "out_proj.weight": Split(1)}
 
     def forward(self, x, batch: ForwardBatch, conv_state, recurrent_state):
         T = x.shape[0]
@@ -79,16 +95,21 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
-        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        # q_proj is interleaved per head: [query (hd) | gate (hd)] for each head
+        # This rank's query heads and KV heads: a contiguous share of each keeps every GQA group whole.
+        self.nh = tp.part(cfg.num_heads, "num_attention_heads")
+        self.nkv = tp.part(cfg.num_kv_heads, "num_key_value_heads")
+        self.hd = cfg.head_dim
+        # q_proj is interleaved per head: [query (hd) | gate (hd)] for each head, so a share of rows is a share of heads
         self.q_proj = _linear(cfg.hidden_size, self.nh * self.hd * 2)
         self.k_proj = _linear(cfg.hidden_size, self.nkv * self.hd)
         self.v_proj = _linear(cfg.hidden_size, self.nkv * self.hd)
         self.o_proj = _linear(self.nh * self.hd, cfg.hidden_size)
         self.q_norm = RMSNorm1p(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm1p(self.hd, cfg.rms_norm_eps)
+        self.tp_splits = {"q_proj.weight": Split(0), "k_proj.weight": Split(0), "v_proj.weight": Split(0),
+                          "o_proj.weight": Split(1)}
 
     def forward(self, x, batch: ForwardBatch, inv_freq, k_cache, v_cache):
         T = x.shape[0]
@@ -101,20 +122,40 @@ class GatedAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU over this rank's share of the intermediate channels (the whole of them on one rank)."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = _linear(hidden, inter), _linear(hidden, inter), _linear(inter, hidden)
+        self.tp_splits = {"gate_proj.weight": Split(0), "up_proj.weight": Split(0), "down_proj.weight": Split(1)}
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """This rank's experts: global ids `first .. first + E_local - 1` (expert parallelism)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
-        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, inter = tp.part(cfg.num_experts, "num_experts"), cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.first = cfg.num_experts, tp.rank * E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, inter))
+        self.tp_splits = {"gate_up_proj": Split(0), "down_proj": Split(0)}
+
+    def forward(self, x, weights, experts):
+        """Sum of `weight * expert(x)` over the (token, expert) pairs routed to this rank's experts."""
+        local = self.gate_up_proj.shape[0]
+        if local == self.num_experts:
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts)
+        tok, k = ((experts >= self.first) & (experts < self.first + local)).nonzero(as_tuple=True)
+        out = torch.zeros_like(x)
+        if tok.numel():  # each pair as a row of its own with top-1 routing, experts renumbered from 0
+            y = fused_experts(x[tok], self.gate_up_proj, self.down_proj, weights[tok, k, None],
+                              experts[tok, k, None] - self.first)
+            out.index_add_(0, tok, y)
+        return out
 
 
 class Router(nn.Module):
@@ -124,63 +165,69 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Routed experts plus a sigmoid-gated shared expert."""
+    """Routed experts plus a sigmoid-gated shared expert. Every rank routes every token over all experts with the
+    full router; the sum over experts is split between the ranks' experts (and shared-expert channels)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = Router(cfg)
-        self.experts = Experts(cfg)
-        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.experts = Experts(cfg, tp)
+        self.shared_expert = MLP(cfg.hidden_size, tp.part(cfg.shared_expert_intermediate_size,
+                                                          "shared_expert_intermediate_size"))
         self.shared_expert_gate = _linear(cfg.hidden_size, 1)
 
     def forward(self, x):
         weights, experts = route(x, self.gate.weight, self.top_k, self.renormalize)
-        routed = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        # the gate is replicated, so gate * (partial shared sum) is this rank's part of the gated shared expert
+        return self.experts(x, weights, experts) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, is_attention: bool, is_moe: bool):
+    def __init__(self, cfg: ModelConfig, is_attention: bool, is_moe: bool, tp: TPGroup = SINGLE):
         super().__init__()
-        self.is_attention = is_attention
+        self.is_attention, self.tp = is_attention, tp
         if is_attention:
-            self.self_attn = GatedAttention(cfg)
+            self.self_attn = GatedAttention(cfg, tp)
         else:
-            self.linear_attn = GatedDeltaNet(cfg)
-        self.mlp = SparseMoE(cfg) if is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.linear_attn = GatedDeltaNet(cfg, tp)
+        if is_moe:
+            self.mlp = SparseMoE(cfg, tp)
+        else:
+            self.mlp = MLP(cfg.hidden_size, tp.part(cfg.intermediate_size, "intermediate_size"))
         self.input_layernorm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, batch: ForwardBatch, inv_freq, cache):
         x = self.input_layernorm(h)
         if self.is_attention:
-            h = h + self.self_attn(x, batch, inv_freq, *cache)
+            mixed = self.self_attn(x, batch, inv_freq, *cache)
         else:
-            h = h + self.linear_attn(x, batch, *cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            mixed = self.linear_attn(x, batch, *cache)
+        h = h + self.tp.all_reduce(mixed)  # mixers and FFNs return this rank's partial sum
+        return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
 class Trunk(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, t == "full_attention", moe) for t, moe in zip(cfg.layer_types, cfg.moe_layers))
+            DecoderLayer(cfg, t == "full_attention", moe, tp) for t, moe in zip(cfg.layer_types, cfg.moe_layers))
         self.norm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False, tp: TPGroup = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        self.model = Trunk(cfg)
+        self.cfg, self.tp = cfg, tp
+        self.model = Trunk(cfg, tp)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         if with_mtp:
             from tandem.model.mtp import MTPHead  # mtp.py builds on this module's layers
 
-            self.mtp = MTPHead(cfg)
+            self.mtp = MTPHead(cfg, tp)
         self.register_buffer("inv_freq", inv_frequencies(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
     @property
@@ -197,3 +244,8 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight).float()
+
+    def parameter_splits(self) -> dict[str, Split]:
+        """Parameter name -> how its full tensor is cut across ranks; parameters not named are replicated."""
+        return {f"{prefix}.{name}": split for prefix, module in self.named_modules()
+                for name, split in getattr(module, "tp_splits", {}).items()}
