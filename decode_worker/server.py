@@ -32,7 +32,7 @@ from tandem.rpc.server import on_end
 from tandem.rpc.convert import finish_reason_to_proto, load_of, logprobs_to_proto, sampling_from_proto
 from tandem.transfer.base import TransferServer
 from tandem.transfer.errors import TransferRejected
-from tandem.transfer.manifest import unpack
+from tandem.transfer.manifest import dtype_name, unpack
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         want = expected_shapes(self.engine.cfg, self.engine.pools, len(rec.seq.prompt_token_ids),
                                self.engine.ecfg.block_size)
         got = {s.name: (s.dtype, list(s.shape)) for s in manifest.specs}
-        want = {name: (str(dt).removeprefix("torch."), shape) for name, (dt, shape) in want.items()}
+        want = {name: (dtype_name(dt), shape) for name, (dt, shape) in want.items()}
         if got != want:
             raise TransferRejected(f"hand-off tensors do not match this worker's cache layout "
                                    f"(got {sorted(got)[:4]}..., want {sorted(want)[:4]}...)")

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.auth import bearer_ok
 from tandem.rpc import common_pb2, router_pb2, router_pb2_grpc
+from tandem.rpc.convert import finish_reason_name
 from tandem.rpc.server import Tls, channel_options
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,6 @@ log = logging.getLogger(__name__)
 MAX_N = 128
 REQUEST_TIMEOUT = 3600.0  # seconds: the deadline of one choice's gRPC call (OpenAI has no per-request deadline)
 MAX_LOGPROBS = 20
-FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-          common_pb2.FINISH_REASON_ABORT: "abort"}
 # gRPC status -> (HTTP status, OpenAI error type)
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -388,7 +387,7 @@ class _Api:
                                         [0] * len(reqs))
 
         def chunk(i, m):
-            reason = FINISH.get(m.finish_reason)
+            reason = finish_reason_name(m.finish_reason)
             lp = None
             if logprobs is not None:
                 lp, offsets[i] = self._completion_logprobs(m, offsets[i])
@@ -476,7 +475,7 @@ class _Api:
                 started[i] = True
                 out.append(dict(head, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]))
-            reason = FINISH.get(m.finish_reason)
+            reason = finish_reason_name(m.finish_reason)
             lp = self._chat_logprobs(m, top_n) if want_lp else None
             if lp is not None:
                 lps[i] = lps[i] or {"content": []}

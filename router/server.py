@@ -26,7 +26,7 @@ from tandem.config import ModelConfig
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.rpc import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from tandem.rpc.server import on_end, time_left
-from tandem.rpc.convert import sampling_from_proto, sampling_to_proto
+from tandem.rpc.convert import finish_reason_name, sampling_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,6 @@ class _Active:
     aborted: bool = False  # by the Abort RPC: the client gets a last message with finish reason abort
     closed: bool = False  # the client's RPC has ended
     metrics: _RequestMetrics | None = None
-
-
-_REASON_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                 common_pb2.FINISH_REASON_ABORT: "abort"}
 
 
 class _RequestMetrics:
@@ -215,7 +211,7 @@ class Router(router_pb2_grpc.TandemServicer):
             state.finished = reason != common_pb2.FINISH_REASON_UNSPECIFIED
             timing.tokens(len(ids))
             if state.finished:
-                timing.finished(_REASON_NAMES[reason])
+                timing.finished(finish_reason_name(reason))
             return router_pb2.GenerateResponse(request_id=rid, token_ids=ids, logprobs=logprobs, text=text,
                                                finish_reason=reason, prompt_tokens=len(prompt), completion_tokens=n)
 

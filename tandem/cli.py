@@ -38,7 +38,7 @@ CHATML = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 def _request(args) -> int:
     from tandem import SamplingParams
     from tandem.client import TandemClient
-    from tandem.rpc import common_pb2
+    from tandem.rpc.convert import finish_reason_name
 
     prompt = [int(t) for t in args.prompt_token_ids.split(",")] if args.prompt_token_ids else args.prompt
     if prompt is None:
@@ -59,7 +59,7 @@ def _request(args) -> int:
     print("token ids:", ids)
     if text:
         print("text:", text)
-    print("finish reason:", common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower())
+    print("finish reason:", finish_reason_name(reason))
     return 0
 
 

@@ -45,6 +45,14 @@ def logprobs_to_proto(d: dict[int, float] | None) -> common_pb2.TokenLogprobs:
     return common_pb2.TokenLogprobs(token_ids=list(d), logprobs=list(d.values()))
 
 
+FINISH_REASON_NAMES = {code: name for name, code in FINISH_REASONS.items()}
+
+
+def finish_reason_name(code: int) -> str | None:
+    """The wire enum as vLLM/OpenAI spell it ("stop", "length", "abort"); None while unfinished."""
+    return FINISH_REASON_NAMES.get(code)
+
+
 def finish_reason_to_proto(reason: str | None) -> int:
     return FINISH_REASONS.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED) if reason else 0
 
