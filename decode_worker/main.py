@@ -1,4 +1,5 @@
-"""`tandem decode-worker`: one decode worker process (gRPC service + hand-off listener)."""
+"""`tandem decode-worker`: one decode worker process (gRPC service + hand-off listener). It also serves the
+PrefillWorker service's Prefill for its own leases, which a router without prefill workers uses (colocated)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def add_args(ap) -> None:
     add_server_args(ap, port=50062)
     ap.add_argument("--transfer-port", type=int, default=50063, help="hand-off listener port (0: any free port)")
     ap.add_argument("--lease-seconds", type=float, default=60.0,
-                    help="how long a lease waits for its hand-off (and a finished hand-off for its stream)")
+                    help="how long a lease waits for its hand-off or its colocated prefill (and then for its stream)")
     add_tls_args(ap)
 
 
@@ -27,12 +28,16 @@ def main(args) -> int:
     cfg, model, _ = load_model(args.model, ecfg.device, ecfg.dtype, args.seed)
     metrics, metrics_address = start_metrics(args, "decode")
     tls = Tls.from_args(args)
-    worker = DecodeWorker(Engine(cfg, model, ecfg), fingerprint(args), args.host, args.transfer_port,
+    engine = Engine(cfg, model, ecfg)
+    engine.capture_graphs()
+    worker = DecodeWorker(engine, fingerprint(args), args.host, args.transfer_port,
                           advertise_host(args), lease_seconds=args.lease_seconds, metrics=metrics,
                           ssl_context=tls.server_context() if tls else None).start()
     server = Server(tls=tls)
     server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, worker,
                worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
+    server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, worker,  # colocated: Prefill of its own leases
+               worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)
     port = server.start(args.host, args.port)
     announce("decode-worker", grpc=f"{advertise_host(args)}:{port}", transfer=worker.transfer_address,
              metrics=metrics_address)

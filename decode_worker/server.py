@@ -6,6 +6,11 @@ checked against the lease (token, request, model fingerprint, tensor shapes) bef
 the state is installed between two engine steps, so running requests never stall for a copy. `Decode` attaches
 to the request's output (tokens made before it attaches wait in its channel). A lease that is not used in time,
 or an installed request nobody attaches to, expires and frees everything, as does `Abort` or a dropped stream.
+
+Colocated serving (a router without prefill workers): the decode worker also serves the `PrefillWorker` service's
+`Prefill` for the leases it issued. The reserved request then joins this engine's batch and is prefilled here like
+any other prompt (no hand-off); `Prefill` answers with its first token, and the tokens after it go to the lease's
+channel for `Decode`, exactly as after a hand-off. The lease's expiry bounds the prefill as it bounds a hand-off.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import secrets
 import threading
 import time
 import uuid
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import grpc
@@ -51,14 +58,20 @@ class LeaseRecord:
     token: bytes
     seq: Sequence
     expires: float  # time.monotonic() deadline for the current stage (hand-off, then attaching)
-    stage: str = "reserved"  # reserved -> transferring -> installed (-> finished, when no stream is attached yet)
+    # reserved -> transferring (a hand-off) or prefilling (colocated: prefilled here) -> installed
+    # (-> finished, when no stream is attached yet)
+    stage: str = "reserved"
     attached: bool = False
-    emitted: int = 0  # output tokens already put in the channel (the first came from the prefill worker)
+    emitted: int = 0  # output tokens already put in the channel (the first went back with the Prefill answer)
     installed_at: float = 0.0
     channel: queue.Queue = field(default_factory=queue.Queue)
+    first: Future | None = None  # colocated: the first token's Output (or the abort/error) for the Prefill RPC
+    prefill_started: float = 0.0
 
 
-class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.PrefillWorkerServicer):
+    """Serves the DecodeWorker service, and the PrefillWorker service's Prefill for its own leases (colocated)."""
+
     def __init__(self, engine, fingerprint: str, transfer_host: str, transfer_port: int, advertise_host: str,
                  lease_seconds: float = 30.0, metrics=None, ssl_context=None):
         self.engine, self.fingerprint, self.lease_seconds, self.metrics = engine, fingerprint, lease_seconds, metrics
@@ -136,6 +149,56 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
                 self._forget(rec)
                 return
 
+    def Prefill(self, request, context):
+        """Colocated: prefills a request this worker leased, here; answers with its first token (no hand-off)."""
+        lease = request.lease
+        with self._lock:
+            rec = self._by_lease.get(lease.lease_id)
+            if rec is not None and rec.seq.request_id != (request.request_id or lease.request_id):
+                rec = None
+            stage = rec.stage if rec is not None else None
+            token_ok = rec is not None and hmac.compare_digest(lease.transfer_token, rec.token)
+            prompt_ok = rec is not None and (not request.prompt_token_ids
+                                             or list(request.prompt_token_ids) == rec.seq.prompt_token_ids)
+            if stage == "reserved" and token_ok and prompt_ok:
+                rec.stage, rec.first, rec.prefill_started = "prefilling", Future(), time.monotonic()
+        if rec is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no open lease {lease.lease_id!r} for {request.request_id or lease.request_id!r}")
+        if not token_ok:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "transfer token does not match the lease")
+        if stage != "reserved":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"lease {lease.lease_id!r} was already used (stage {stage})")
+        if not prompt_ok:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt differs from the one the lease reserved")
+        self._gauge_leases()
+        on_end(context, lambda: self._cancel_prefill(rec))  # a cancelled or timed-out RPC frees the request
+
+        def admit(engine):
+            if rec.seq.status == Status.RESERVED:  # not aborted or expired meanwhile (its waiter is answered then)
+                engine.prefill_reserved(rec.seq)
+
+        try:
+            self.loop.call(admit)
+        except RuntimeError as e:  # the engine loop is stopped
+            self._abort(rec.seq.request_id)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"this decode worker is stopping: {e}")
+        while True:
+            try:
+                out = rec.first.result(timeout=0.5)
+                break
+            except FutureTimeout:
+                if not context.is_active():
+                    context.abort(grpc.StatusCode.CANCELLED, "the prefill was cancelled")
+        if out.error is not None:
+            context.abort(*out.error)
+        resp = worker_pb2.PrefillResponse(first_token_id=out.token_ids[0] if out.token_ids else 0,
+                                          finish_reason=finish_reason_to_proto(out.finish_reason))
+        if out.logprobs:
+            resp.first_logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
+        return resp
+
     def Abort(self, request, context):
         return worker_pb2.WorkerAbortResponse(found=self._abort(request.request_id))
 
@@ -154,9 +217,26 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         if rec is None:
             return False
         self.loop.submit(lambda e: e.abort(request_id))
-        rec.channel.put(Output([], [], "abort", error))
+        out = Output([], [], "abort", error)
+        self._resolve_first(rec, out)  # a colocated prefill under way answers with the abort (or the error)
+        rec.channel.put(out)
         self._gauge_leases()
         return True
+
+    @staticmethod
+    def _resolve_first(rec: LeaseRecord, out: Output) -> None:
+        if rec.first is not None:
+            try:
+                rec.first.set_result(out)
+            except InvalidStateError:  # answered already (the first token, or an abort that came first)
+                pass
+
+    def _cancel_prefill(self, rec: LeaseRecord) -> None:
+        """The Prefill RPC ended: if the request is still prefilling, nobody will get its first token."""
+        with self._lock:
+            pending = rec.stage == "prefilling" and self._by_lease.get(rec.lease_id) is rec
+        if pending:
+            self._abort(rec.seq.request_id)
 
     def _forget(self, rec: LeaseRecord) -> None:
         with self._lock:
@@ -187,6 +267,12 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
                 rec = self._by_request.get(seq.request_id)
             if rec is None:
                 continue
+            if rec.stage == "prefilling":
+                if not seq.output_token_ids:  # a chunk of a long prompt: no token yet
+                    continue
+                self._prefilled(rec, seq)
+                if seq.status == Status.FINISHED:
+                    continue
             new = seq.output_token_ids[rec.emitted:]
             lps = seq.output_logprobs[rec.emitted:] if seq.params.logprobs is not None else []
             rec.emitted = len(seq.output_token_ids)
@@ -206,6 +292,23 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         if self.metrics is not None:
             observe_engine(self.metrics, self.engine)
             self._record_speculation()
+
+    def _prefilled(self, rec: LeaseRecord, seq: Sequence) -> None:
+        """Colocated: the request prefilled here has its first token; it goes back with the Prefill answer."""
+        now = time.monotonic()
+        done = seq.finish_reason if seq.status == Status.FINISHED else None
+        lps = seq.output_logprobs[:1] if seq.params.logprobs is not None else []
+        with self._lock:
+            rec.stage, rec.emitted, rec.installed_at = "installed", 1, now
+            rec.expires = now + self.lease_seconds  # now the router has this long to attach
+        if done:  # the first token ended it (its blocks are free): the router opens no stream
+            self._forget(rec)
+        self._gauge_leases()
+        if self.metrics is not None:
+            self.metrics.prompt_tokens_total.inc(len(seq.prompt_token_ids))
+            self.metrics.request_prefill_time_seconds.observe(now - rec.prefill_started)
+            self.metrics.generation_tokens_total.inc(1)
+        self._resolve_first(rec, Output(seq.output_token_ids[:1], lps, done))
 
     def _record_speculation(self) -> None:
         """Adds what the engine's cumulative speculation counters gained in this step."""

@@ -1,4 +1,5 @@
-"""`tandem router`: the public gRPC endpoint in front of the prefill and decode workers."""
+"""`tandem router`: the public gRPC endpoint in front of the prefill and decode workers (or, colocated, of
+decode workers alone, each prefilling the requests it leased)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from tandem.worker_setup import (DEFAULT_MODEL, add_server_args, advertise_host,
                                  serve_until_signalled,
                                  served_model_name, start_metrics)
 
+log = logging.getLogger(__name__)
+
 
 def _list(s: str | None) -> list[str]:
     return [a for a in (s or "").split(",") if a]
@@ -24,7 +27,8 @@ def add_args(ap) -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--num-speculative-tokens", type=int, default=2)
     add_server_args(ap, port=50051)
-    ap.add_argument("--prefill-workers", default=None, help="comma-separated host:port list")
+    ap.add_argument("--prefill-workers", default=None, help="comma-separated host:port list; with neither this nor "
+                    "--prefill-dns the router is colocated: each decode worker prefills the requests it leased")
     ap.add_argument("--decode-workers", default=None, help="comma-separated host:port list")
     ap.add_argument("--prefill-dns", default=None, help="name:port re-resolved for prefill workers (headless Service)")
     ap.add_argument("--decode-dns", default=None, help="name:port re-resolved for decode workers (headless Service)")
@@ -52,8 +56,11 @@ def main(args) -> int:
     cfg = model_config(args.model)
     metrics, metrics_address = start_metrics(args, "router")
     tls = Tls.from_args(args)
-    prefill = WorkerPool("prefill", _list(args.prefill_workers), args.prefill_dns, args.poll_seconds,
-                         metrics, tls=tls).start()
+    colocated = not _list(args.prefill_workers) and not args.prefill_dns
+    if colocated:
+        log.info("no prefill workers: colocated mode, decode workers prefill their requests")
+    prefill = None if colocated else WorkerPool("prefill", _list(args.prefill_workers), args.prefill_dns,
+                                                args.poll_seconds, metrics, tls=tls).start()
     decode = WorkerPool("decode", _list(args.decode_workers), args.decode_dns, args.poll_seconds, metrics,
                         tls=tls).start()
     tokenizer = load_tokenizer_for(args.model)

@@ -6,6 +6,10 @@ worker with the fewest queued prompt tokens (the prefill worker pushes the state
 -> the first token goes to the client -> the decode stream follows. The client's deadline bounds every call
 below it; a request that ends any other way than finishing (client cancel or disconnect, deadline, Abort,
 an error) is aborted on both workers, so nothing stays allocated.
+
+Colocated mode (no prefill workers: `prefill` is None): the same order, but Prefill goes to the decode worker that
+issued the lease (its PrefillWorker service on the same channel), which prefills the request in its own engine;
+there is no hand-off, and that one worker is the only one to abort.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ class _RequestMetrics:
 
 class Router(router_pb2_grpc.TandemServicer):
     def __init__(self, cfg: ModelConfig, model_name: str, max_model_len: int, num_speculative_tokens: int,
-                 prefill: WorkerPool, decode: WorkerPool, tokenizer=None, transfer_backend: str = "",
+                 prefill: WorkerPool | None, decode: WorkerPool, tokenizer=None, transfer_backend: str = "",
                  queue_timeout: float = 60.0, metrics=None, max_queued_requests: int | None = None,
                  decode_failover: bool = False):
         self.queue_timeout, self.max_queued, self.failover = queue_timeout, max_queued_requests, decode_failover
@@ -90,6 +94,7 @@ class Router(router_pb2_grpc.TandemServicer):
         self.cfg, self.model_name, self.max_model_len = cfg, model_name, max_model_len
         self.k, self.prefill, self.decode, self.tokenizer = num_speculative_tokens, prefill, decode, tokenizer
         self.transfer_backend, self.metrics = transfer_backend, metrics
+        self.mode = "colocated" if prefill is None else "disaggregated"
         self._lock = threading.Lock()
         self._active: dict[str, _Active] = {}
         self.draining = False
@@ -108,9 +113,12 @@ class Router(router_pb2_grpc.TandemServicer):
         context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, msg)
 
+    def _pools(self) -> list[WorkerPool]:
+        return [p for p in (self.prefill, self.decode) if p is not None]
+
     def stop(self) -> None:
-        self.prefill.stop()
-        self.decode.stop()
+        for pool in self._pools():
+            pool.stop()
 
     # ---- RPCs -------------------------------------------------------------------------------------------------
     def Generate(self, request, context):
@@ -141,13 +149,13 @@ class Router(router_pb2_grpc.TandemServicer):
                                     num_speculative_tokens=self.k, eos_token_ids=list(self.cfg.eos_token_ids))
 
     def GetServerInfo(self, request, context):
-        for pool in (self.prefill, self.decode):
+        for pool in self._pools():
             pool.refresh()
         workers = [router_pb2.WorkerStatus(address=w.address, role=w.role, healthy=w.healthy, load=w.load)
-                   for pool in (self.prefill, self.decode) for w in pool.all()]
+                   for pool in self._pools() for w in pool.all()]
         return router_pb2.ServerInfo(version=__version__, transfer_backend=self.transfer_backend, workers=workers,
-                                     prefill_workers=[w.address for w in self.prefill.all()],
-                                     decode_workers=[w.address for w in self.decode.all()])
+                                     prefill_workers=[w.address for w in self.prefill.all()] if self.prefill else [],
+                                     decode_workers=[w.address for w in self.decode.all()], mode=self.mode)
 
     # ---- validation -------------------------------------------------------------------------------------------
     def _validate(self, request, context):
@@ -298,9 +306,9 @@ class Router(router_pb2_grpc.TandemServicer):
     def _start(self, state: _Active, prompt, params, context):
         """Reserve, then Prefill; when the prefill worker is unreachable or dies mid-prefill (UNAVAILABLE) the
         lease is given back (its one-time token may already be spent on a half-sent hand-off) and the request
-        starts over with a fresh lease on another prefill worker."""
+        starts over with a fresh lease on another prefill worker (colocated: on another decode worker)."""
         tried: set[str] = set()
-        attempts = max(2, len(self.prefill.all()))
+        attempts = max(2, len((self.prefill or self.decode).all()))
         for attempt in range(attempts):
             lease = self._reserve(state, prompt, params, context)
             if state.aborted or state.closed:
@@ -362,9 +370,18 @@ class Router(router_pb2_grpc.TandemServicer):
                     self.metrics.num_requests_waiting.dec()
 
     def _prefill(self, state: _Active, prompt, params, lease, context, tried: set[str]):
-        """On the best prefill worker not tried yet for this request (any, once all were tried)."""
+        """On the best prefill worker not tried yet for this request (any, once all were tried); colocated, on
+        the decode worker that issued the lease."""
         req = worker_pb2.PrefillRequest(request_id=state.request_id, prompt_token_ids=prompt,
                                         sampling=sampling_to_proto(params), lease=lease)
+        if self.prefill is None:
+            w = state.decode  # state.prefill stays None: aborting on the decode worker covers its prefill too
+            try:
+                return w.prefill_stub.Prefill(req, timeout=time_left(context))
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    w.healthy = False  # the decode worker is gone: skip it until its next good poll
+                raise
         candidates = self.prefill.candidates()
         if not candidates:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")

@@ -28,6 +28,7 @@ class Worker:
     load: common_pb2.Load = field(default_factory=common_pb2.Load)
     inflight_requests: int = 0
     inflight_prompt_tokens: int = 0
+    prefill_stub: object = None  # a decode worker's PrefillWorker service (colocated: Prefill of its own leases)
 
 
 def resolve(dns: str) -> list[str]:
@@ -80,7 +81,8 @@ class WorkerPool:
                     self.metrics.remove_worker(gone, self.role)
             for a in addresses - set(self.workers):
                 ch = make_channel(a, self.tls, worker_channel_options())
-                self.workers[a] = Worker(a, self.role, self._stub_cls(ch), ch)
+                self.workers[a] = Worker(a, self.role, self._stub_cls(ch), ch, prefill_stub=(
+                    worker_pb2_grpc.PrefillWorkerStub(ch) if self.role == "decode" else None))
             workers = list(self.workers.values())
         for w in workers:
             try:

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="tandem")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, module, doc in (("serve", "tandem.launch", "router + prefill + decode workers on this machine"),
+    for name, module, doc in (("serve", "tandem.launch", "router + prefill + decode workers on this machine "
+                                                            "(--prefill-workers 0: colocated)"),
                               ("router", "router.main", "the public gRPC endpoint"),
                               ("prefill-worker", "prefill_worker.main", "one prefill worker"),
                               ("decode-worker", "decode_worker.main", "one decode worker")):

@@ -219,9 +219,16 @@ class EngineConfig:
     emulated_acceptance: tuple[float, ...] | None = None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    # Decode steps through persistent buffers as CUDA graphs (tandem/engine/graphs.py). None: on when the device
+    # is CUDA and the Triton kernels serve it; True on a CPU runs the same padded path without capture (tests).
+    cuda_graphs: bool | None = None
 
     def __post_init__(self):
         self.dtype = parse_dtype(self.dtype)
+        if self.cuda_graphs is None:
+            from tandem.ops.triton_utils import HAS_TRITON, TORCH_OPS_ONLY
+
+            self.cuda_graphs = self.device.startswith("cuda") and HAS_TRITON and not TORCH_OPS_ONLY
         for name in ("block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:

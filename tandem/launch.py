@@ -1,4 +1,6 @@
-"""`tandem serve`: router + N prefill + M decode workers as local processes, stopped together.
+"""`tandem serve`: router + N prefill + M decode workers as local processes, stopped together. With N = 0 the
+router is colocated: each decode worker prefills the requests it leased itself (no hand-off), so a model that
+fits only once on a GPU is served through the same router, gRPC and HTTP stack.
 
 Each worker listens on a free port and announces it on stdout (`TANDEM <role> grpc=... `); the router is
 started once every worker has announced itself. Ctrl-C or SIGTERM drains and stops the router first, then the
@@ -88,6 +90,14 @@ def _restart(child: "Child", ann: dict) -> "Child":
 
 
 def serve(args) -> int:
+    if args.decode_workers < 1 or args.prefill_workers < 0:
+        print("error: --decode-workers must be at least 1 and --prefill-workers at least 0", file=sys.stderr)
+        return 2
+    colocated = args.prefill_workers == 0
+    if colocated and args.inject_fault:
+        print("error: --inject-fault applies to prefill workers; there are none (--prefill-workers 0)",
+              file=sys.stderr)
+        return 2
     gpus = torch.cuda.device_count()
     children: list[Child] = []
     stopping = threading.Event()
@@ -126,23 +136,27 @@ def serve(args) -> int:
                                   *(["--poll-seconds", str(args.poll_seconds)] if args.poll_seconds else []),
                                   *(["--metrics-port", str(args.metrics_port)] if args.metrics else []),
                                   *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
-                                  "--prefill-workers", ",".join(addresses["prefill"]),
+                                  # no prefill workers: the router is colocated
+                                  *(["--prefill-workers", ",".join(addresses["prefill"])] if not colocated else []),
                                   "--decode-workers", ",".join(addresses["decode"])])
         children.insert(0, router)
         at = router.wait_announced(deadline)
         where = at["grpc"]
         metrics = [a["metrics"] for a in [at, *announced["prefill"], *announced["decode"]] if "metrics" in a]
         http = f" and http://{at['http']}/v1" if "http" in at else ""
-        print(f"Tandem is serving {args.model} at grpc://{where}{http}  (prefill workers: "
-              f"{', '.join(addresses['prefill'])}; decode workers: {', '.join(addresses['decode'])}). Ctrl-C stops.",
-              flush=True)
+        mode = (f"colocated: the decode workers prefill their own requests; decode workers: "
+                f"{', '.join(addresses['decode'])}" if colocated else
+                f"disaggregated: prefill workers: {', '.join(addresses['prefill'])}; decode workers: "
+                f"{', '.join(addresses['decode'])}")
+        print(f"Tandem is serving {args.model} at grpc://{where}{http}  ({mode}). Ctrl-C stops.", flush=True)
         if metrics:
             print(f"Prometheus metrics: {', '.join(f'http://{m}/metrics' for m in metrics)}", flush=True)
         # pids and addresses per worker: fault tests kill one by pid and find it again after a restart
         ann = {c.name: a for c, a in zip([*workers["prefill"], *workers["decode"]],
                                          [*announced["prefill"], *announced["decode"]])}
         pids = ",".join(f"{c.name}:{c.proc.pid}" for c in children)
-        print(f"TANDEM serve grpc={where}" + (f" metrics={','.join(metrics)}" if metrics else "")
+        print(f"TANDEM serve grpc={where} mode={'colocated' if colocated else 'disaggregated'}"
+              + (f" metrics={','.join(metrics)}" if metrics else "")
               + (f" http={at['http']}" if "http" in at else "") + f" pids={pids}"
               + " workers=" + ",".join(f"{n}@{a['grpc']}" for n, a in ann.items()), flush=True)
         while not stopping.wait(0.2):
@@ -193,7 +207,9 @@ def add_args(ap) -> None:
     add_engine_args(ap)
     ap.add_argument("--served-model-name", default=None, help="the model's name in the API and in metrics")
     ap.add_argument("--api-key-file", default=None, help="the router's API key (default: $TANDEM_API_KEY; unset: none)")
-    ap.add_argument("--prefill-workers", type=int, default=1)
+    ap.add_argument("--prefill-workers", type=int, default=1,
+                    help="prefill worker processes; 0: colocated serving, each decode worker prefills its own "
+                    "requests (no hand-off; for a model that fits only once per GPU)")
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=50051, help="the router's gRPC port (0: any free port)")

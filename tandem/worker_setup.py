@@ -34,6 +34,7 @@ def add_engine_args(ap) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--num-speculative-tokens", type=int, default=2, help="MTP drafts per step (0: off)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (debugging)")
     ap.add_argument("--emulated-acceptance", default=None,
                     help="benchmarks only: comma-separated acceptance probability per draft position")
 
@@ -58,6 +59,7 @@ def engine_config(args) -> EngineConfig:
     return EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                         num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=device,
+                        cuda_graphs=False if args.enforce_eager else None,
                         emulated_acceptance=tuple(float(r) for r in args.emulated_acceptance.split(","))
                         if args.emulated_acceptance else None)
 

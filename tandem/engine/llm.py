@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -12,15 +15,18 @@ from tandem.cache.handoff import gather_state, scatter_state
 from tandem.cache.pools import CachePools
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.runner import ModelRunner
-from tandem.engine.sampler import sample
+from tandem.engine.graphs import DecodeGraphs
+from tandem.engine.sampler import draw_noise, sample
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.spec import SpecStats, draft
+from tandem.engine.spec import SpecStats, VerifyRow, draft
 from tandem.engine.sequence import Sequence, Status
 from tandem.model.loader import load_checkpoint
 from tandem.model.presets import PRESETS, preset_config, random_model
 from tandem.parallel import SINGLE, LeaderModel, TPGroup, check_divisible, launch
 from tandem.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def model_config(model: str) -> tuple[ModelConfig, str | None]:
@@ -83,11 +89,21 @@ class Engine:
         if isinstance(model, LeaderModel):
             model.attach(self.pools)
         self.spec_stats = SpecStats(ecfg.num_speculative_tokens)
-        self._emulation_rng = torch.Generator().manual_seed(0)
+        self._emulation_rng = random.Random(0)
         self.scheduler = Scheduler(ecfg, self.pools, prefill_only)
         self.runner = ModelRunner(model, self.pools, ecfg)
+        self.graphs = DecodeGraphs(model, self.pools, ecfg) if ecfg.cuda_graphs and self.tp.world_size == 1 else None
         self.generators: dict[str, torch.Generator] = {}
         self.sequences: dict[str, Sequence] = {}
+
+    def capture_graphs(self) -> None:
+        """Captures the decode graph of every batch bucket now (a serving worker, before it takes requests),
+        instead of on each bucket's first use. Nothing to do without CUDA graphs."""
+        if self.graphs is not None and self.graphs.capture:
+            t0 = time.monotonic()
+            self.graphs.capture_all()
+            log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graphs.buckets,
+                     time.monotonic() - t0)
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.sequences:
@@ -130,6 +146,10 @@ class Engine:
             self.generators[seq.request_id].set_state(rng_state)
         self.scheduler.admit_prefilled(seq)
 
+    def prefill_reserved(self, seq: Sequence) -> None:
+        """Decode worker serving colocated: a reserved request is prefilled here instead of by a hand-off."""
+        self.scheduler.admit_prefilled(seq)  # running with nothing computed: the scheduler prefills it
+
     def take_prefilled(self) -> list[PrefilledRequest]:
         """Prefill-only engine: removes the requests whose first token (and drafts) are ready, with their state."""
         out = []
@@ -154,20 +174,13 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[Sequence]:
-        """Runs one step; returns the sequences that finished in it."""
+        """Runs one step; returns the sequences that finished in it. Decode requests (past their prompt) and
+        prompt chunks run as two forwards: the decode one has a fixed shape (a CUDA graph when enabled)."""
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return []
-        if self.ecfg.num_speculative_tokens:
-            return self._speculative_step(chunks)
-        logits = self.runner.run(chunks)
-        # only rows that reached the end of their known tokens produce a token
-        rows = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
-        if not rows:
-            return []
-        seqs = [chunks[i].seq for i in rows]
-        tokens, logprobs = sample(logits[rows], seqs, self.generators)
-        return [s for s, tok, lp in zip(seqs, tokens.tolist(), logprobs) if self._emit(s, tok, lp)]
+        decode = [c for c in chunks if not c.seq.in_prefill]
+        prefill = [c for c in chunks if c.seq.in_prefill]
+        finished = self._decode(decode) if decode else []
+        return finished + (self._prefill(prefill) if prefill else [])
 
     def _emit(self, seq: Sequence, tok: int, logprob) -> bool:
         """Appends a token; finishes the sequence (and returns True) when a stop rule fires."""
@@ -181,59 +194,107 @@ class Engine:
 
     def _emulate(self, position: int) -> bool:
         rates = self.ecfg.emulated_acceptance
-        return rates is not None and torch.rand((), generator=self._emulation_rng).item() < rates[position]
+        return rates is not None and self._emulation_rng.random() < rates[position]
 
-    def _speculative_step(self, chunks) -> list[Sequence]:
-        k = self.ecfg.num_speculative_tokens
-        model = self.runner.model
-        was_prefill = [c.seq.in_prefill for c in chunks]
+    def _prefill(self, chunks) -> list[Sequence]:
+        """Prompt chunks: a request whose prompt completes samples its first token at its last row; with MTP,
+        every row whose next token is now known feeds the draft head (the completed ones also draft)."""
+        k, model = self.ecfg.num_speculative_tokens, self.runner.model
         batch, hidden = self.runner.forward(chunks)
         qsl = batch.query_start_loc_cpu
+        done = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
+        if done:
+            tokens, lps = sample(model.compute_logits(hidden[[qsl[i + 1] - 1 for i in done]]),
+                                 [chunks[i].seq for i in done], self.generators)
+            first = dict(zip(done, zip(tokens.tolist(), lps)))
         finished, items, rows = [], [], []
         for i, c in enumerate(chunks):
-            seq, start, n = c.seq, qsl[i], c.num_tokens
+            seq, n = c.seq, c.num_tokens
             first_pos = seq.num_computed - n
-            if was_prefill[i]:
+            known = seq.token_ids[first_pos + 1 : first_pos + n + 1]  # the next token of each row, where known
+            if i in done:
+                if self._emit(seq, *first[i]):
+                    finished.append(seq)
+                    continue
+                known.append(seq.output_token_ids[-1])
+            if k:
                 seq.read_slot_index = min(n, k + 1) - 1
-                known = seq.token_ids[first_pos + 1 : first_pos + n + 1]
-                if not seq.in_prefill:  # the prompt is complete: its last row samples the first token
-                    tok, lp = sample(model.compute_logits(hidden[start + n - 1 : start + n]), [seq], self.generators)
-                    if self._emit(seq, int(tok[0]), lp[0]):
-                        finished.append(seq)
-                        continue
-                    known = known + seq.output_token_ids[-1:]
                 items.append((seq, first_pos, known))
-                rows.extend(range(start, start + n))
-                continue
-            # verify [last, d_1..d_k]: sample each row in order, keep drafts while they agree
-            logits = model.compute_logits(hidden[start : start + n])
+                rows.extend(range(qsl[i], qsl[i] + n))
+        if items:
+            drafting = [not seq.in_prefill for seq, _, _ in items]
+            for (seq, _, _), d in zip(items, draft(model, self.runner, self.pools, items, hidden[rows], drafting, k)):
+                seq.drafts = d
+        return finished
+
+    def _decode(self, chunks) -> list[Sequence]:
+        """Decode requests, each at its last token plus its drafts: every row is sampled in one batch (row j of a
+        request in the context of its first j drafts), drafts are kept while they agree with the sampled tokens,
+        and the MTP head drafts the next ones from the last accepted row."""
+        k, model, graphs = self.ecfg.num_speculative_tokens, self.runner.model, self.graphs
+        use_graph = graphs is not None and graphs.fits(chunks)
+        if use_graph:
+            hidden, logits = graphs.verify(chunks)
+        else:
+            batch, hidden = self.runner.forward(chunks)
+            logits = model.compute_logits(hidden)
+        views, starts = [], []
+        for c in chunks:
+            starts.append(len(views))
+            views.extend(VerifyRow(c.seq, c.seq.drafts[:j]) for j in range(c.num_tokens))
+        seeded = {c.seq.request_id: g.get_state() for c in chunks
+                  if (g := self.generators.get(c.seq.request_id)) is not None and not c.seq.params.greedy}
+        tokens, lps = sample(logits, views, self.generators)
+        tokens = tokens.tolist()
+        finished, items, rows, next_ids, accepted_at = [], [], [], [], []
+        for c, start in zip(chunks, starts):
+            seq, first_pos = c.seq, c.seq.num_computed - c.num_tokens
             drafts, seq.drafts = seq.drafts, []
             accepted, stopped = 0, False
-            for j in range(n):
-                tok, lp = sample(logits[j : j + 1], [seq], self.generators)
-                tok = int(tok[0])
+            for j in range(c.num_tokens):
+                tok = tokens[start + j]
                 if j < len(drafts) and self._emulate(j):
                     tok = drafts[j]  # emulated acceptance: the draft is taken whatever the target says
-                if self._emit(seq, tok, lp[0]):
+                if self._emit(seq, tok, lps[start + j]):
                     stopped = True
                     break
                 if j < len(drafts) and tok == drafts[j]:
                     accepted += 1
                 else:
                     break
-            self.spec_stats.record(len(drafts), accepted)
+            if not stopped and seq.request_id in seeded:  # its generator advances by the tokens emitted, as k = 0
+                self._replay_noise(seq.request_id, seeded[seq.request_id], min(accepted + 1, c.num_tokens),
+                                   logits.shape[1])
+            if k:
+                self.spec_stats.record(len(drafts), accepted)
             if stopped:
                 finished.append(seq)
+                next_ids.append([])
+                accepted_at.append(0)
                 continue
             seq.num_computed = first_pos + accepted + 1  # rejected rows are rewound (their KV is overwritten later)
             seq.read_slot_index = accepted
             items.append((seq, first_pos, drafts[:accepted] + seq.output_token_ids[-1:]))
             rows.extend(range(start, start + accepted + 1))
-        if items:
-            drafting = [not seq.in_prefill for seq, _, _ in items]
-            for (seq, _, _), d in zip(items, draft(model, self.runner, self.pools, items, hidden[rows], drafting, k)):
-                seq.drafts = d
+            next_ids.append(items[-1][2])
+            accepted_at.append(accepted)
+        if k and items:
+            if use_graph:
+                new_drafts = graphs.draft(next_ids, accepted_at).tolist()
+                for c, ids, d in zip(chunks, next_ids, new_drafts):
+                    if ids:
+                        c.seq.drafts = d
+            else:
+                for (seq, _, _), d in zip(items, draft(model, self.runner, self.pools, items, hidden[rows],
+                                                       [True] * len(items), k)):
+                    seq.drafts = d
         return finished
+
+    def _replay_noise(self, request_id: str, state: torch.Tensor, draws: int, vocab: int) -> None:
+        gen = self.generators[request_id]
+        gen.set_state(state)
+        for _ in range(draws):
+            draw_noise(vocab, gen, self.ecfg.device)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -271,12 +332,13 @@ class LLM:
     def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str | None = None,
                  max_num_seqs: int = 64, max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
                  block_size: int = 16, seed: int = 0, speculative_config: dict | None = None,
-                 emulated_acceptance: tuple[float, ...] | None = None, tensor_parallel_size: int = 1):
+                 emulated_acceptance: tuple[float, ...] | None = None, tensor_parallel_size: int = 1,
+                 cuda_graphs: bool | None = None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         ecfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
                             num_speculative_tokens=parse_speculative_config(speculative_config),
-                            emulated_acceptance=emulated_acceptance)
+                            emulated_acceptance=emulated_acceptance, cuda_graphs=cuda_graphs)
         if tensor_parallel_size == 1:
             cfg, net, model_dir = load_model(model, device, ecfg.dtype, seed)
         else:

@@ -9,22 +9,37 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.sequence import Sequence
 
-
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def apply_penalties(logits: torch.Tensor, seqs) -> None:
     for i, s in enumerate(seqs):
         p = s.params
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(s.token_ids)), device=logits.device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and s.output_token_ids:
+        if (p.presence_penalty or p.frequency_penalty) and s.num_output_tokens:
             counts = torch.bincount(torch.tensor(s.output_token_ids, device=logits.device), minlength=logits.shape[1])
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def _mask_top_k_top_p_min_p(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _penalised(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """The logits after penalties and the min_tokens mask (a copy only when one of them applies)."""
+    masked = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+    penalised = any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
+                    for s in seqs)
+    if not masked and not penalised:
+        return logits
+    logits = logits.clone()
+    apply_penalties(logits, seqs)
+    for i in masked:
+        s = seqs[i]
+        logits[i, s.params.stop_token_ids + ([] if s.params.ignore_eos else s.eos_ids)] = float("-inf")
+    return logits
+
+
+def _mask_top_k_top_p_min_p(probs: torch.Tensor, seqs) -> torch.Tensor:
+    if all(not s.params.top_k and s.params.top_p >= 1.0 and not s.params.min_p for s in seqs):
+        return probs  # nothing to cut: skip the sort over the vocabulary
     dev = probs.device
     top_k = torch.tensor([s.params.top_k or probs.shape[1] for s in seqs], device=dev)
     top_p = torch.tensor([s.params.top_p for s in seqs], device=dev, dtype=probs.dtype)
@@ -39,34 +54,39 @@ def _mask_top_k_top_p_min_p(probs: torch.Tensor, seqs: list[Sequence]) -> torch.
     return masked / masked.sum(-1, keepdim=True)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], generators: dict[str, torch.Generator]):
-    """logits: fp32 [B, V]. Returns (token ids [B], per-row logprob dicts)."""
+def draw_noise(vocab: int, generator: torch.Generator, device) -> torch.Tensor:
+    """One row of Exp(1) noise from a request's own generator (one draw per sampled token)."""
+    return torch.empty(vocab, device=device).exponential_(generator=generator)
+
+
+def sample(logits: torch.Tensor, seqs, generators: dict[str, torch.Generator]):
+    """logits: fp32 [B, V]; seqs: one Sequence (or a view with the same fields) per row. Returns (token ids [B],
+    per-row logprob dicts). Greedy rows take the argmax and draw no noise."""
     raw_logprobs = _logprobs(logits, seqs)
-    logits = logits.clone()
-    apply_penalties(logits, seqs)
-    for i, s in enumerate(seqs):
-        if len(s.output_token_ids) < s.params.min_tokens:
-            logits[i, s.params.stop_token_ids + ([] if s.params.ignore_eos else s.eos_ids)] = float("-inf")
-    greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+    logits = _penalised(logits, seqs)
+    greedy = [s.params.greedy for s in seqs]
+    if all(greedy):
+        tokens = logits.argmax(-1)
+        return tokens, logprob_dicts(raw_logprobs, tokens, seqs)
     temps = torch.tensor([s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs], device=logits.device)
     probs = _mask_top_k_top_p_min_p((logits / temps[:, None]).softmax(-1), seqs)
     noise = torch.empty_like(probs).exponential_()
     for i, s in enumerate(seqs):
         g = generators.get(s.request_id)
-        if g is not None:
-            noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
+        if g is not None and not greedy[i]:
+            noise[i] = draw_noise(probs.shape[1], g, probs.device)
     drawn = (probs / noise).argmax(-1)
-    tokens = torch.where(greedy, logits.argmax(-1), drawn)
+    tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), drawn)
     return tokens, logprob_dicts(raw_logprobs, tokens, seqs)
 
 
-def _logprobs(logits: torch.Tensor, seqs: list[Sequence]):
+def _logprobs(logits: torch.Tensor, seqs):
     if all(s.params.logprobs is None for s in seqs):
         return None
     return logits.log_softmax(-1)
 
 
-def logprob_dicts(logprobs: torch.Tensor | None, tokens: torch.Tensor, seqs: list[Sequence]) -> list[dict | None]:
+def logprob_dicts(logprobs: torch.Tensor | None, tokens: torch.Tensor, seqs) -> list[dict | None]:
     """Per row: the top-n tokens' logprobs plus the sampled token's (as vLLM returns them)."""
     if logprobs is None:
         return [None] * len(seqs)

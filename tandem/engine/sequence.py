@@ -42,6 +42,10 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

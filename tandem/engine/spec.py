@@ -47,6 +47,23 @@ class SpecStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+class VerifyRow:
+    """A request as verify row j sees it: its tokens plus its first j drafts (the row only counts when all of
+    them were accepted, so that is exactly its context then). Sampled like a Sequence."""
+
+    __slots__ = ("seq", "extra")
+
+    def __init__(self, seq, extra: list[int]):
+        self.seq, self.extra = seq, extra
+
+    params = property(lambda self: self.seq.params)
+    request_id = property(lambda self: self.seq.request_id)
+    eos_ids = property(lambda self: self.seq.eos_ids)
+    num_output_tokens = property(lambda self: self.seq.num_output_tokens + len(self.extra))
+    token_ids = property(lambda self: self.seq.token_ids + self.extra)
+    output_token_ids = property(lambda self: self.seq.output_token_ids + self.extra)
+
+
 @torch.inference_mode()
 def draft(model, runner, pools, items, hidden_rows: torch.Tensor, drafting: list[bool], k: int) -> list[list[int]]:
     """items: (seq, first position, next-token ids) per request, with `hidden_rows` the target hidden of those

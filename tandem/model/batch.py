@@ -22,6 +22,7 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [B] int64, GDN state slot each request starts from
     state_write_slots: torch.Tensor  # [B, W] int64: the state after row j goes to column min(j, W-1)
     logits_indices: torch.Tensor  # [B] int64, rows whose logits are wanted (each request's last token)
-    # Host copies for the torch reference ops, which walk requests one by one.
+    # Host copies: the kernels take grid sizes from query_start_loc_cpu; the torch reference ops walk requests one
+    # by one with both. A captured decode graph has no host lengths (seq_lens_cpu None): only kernels run there.
     query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int] | None

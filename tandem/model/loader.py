@@ -204,7 +204,7 @@ def load_checkpoint(path: str, cfg: ModelConfig, device: str, dtype: torch.dtype
                     tp: TPGroup = SINGLE):
     """Returns the model with every tensor loaded from the checkpoint in `path`; it has an MTP head (`.mtp`)
     when the config declares one and the checkpoint holds its `mtp.*` weights. Under tensor parallelism, this
-    rank's shard of it."""
+    rank's shard of it. Its projections are fused (`fuse_projections`) once everything is loaded."""
     files = _checkpoint_files(path)
     with_mtp = cfg.num_mtp_layers > 0 and _has_mtp_tensors(files)
     model = build_empty_model(cfg, device, dtype, with_mtp, tp)
@@ -215,4 +215,4 @@ def load_checkpoint(path: str, cfg: ModelConfig, device: str, dtype: torch.dtype
                 for name in f.keys():
                     writer.add(name, f)
     writer.finish()
-    return model
+    return model.fuse_projections()

@@ -61,7 +61,7 @@ def preset_config(name: str) -> ModelConfig:
 def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0, tp: TPGroup = SINGLE):
     """Random weights with stable activations: N(0, 0.02) matrices, small norm offsets, sane GDN decay.
     Every rank draws the full tensors in the same order, one at a time, and keeps its part: a tensor-parallel
-    model holds exactly the single-process model's weights."""
+    model holds exactly the single-process model's weights. Projections are fused as after loading a checkpoint."""
     model = build_empty_model(cfg, device, dtype, with_mtp=cfg.num_mtp_layers > 0, tp=tp)
     splits, full_shapes = {}, {}
     if tp.world_size > 1:
@@ -83,4 +83,4 @@ def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, seed: int = 
             full.normal_(0.0, 0.02, generator=gen)
         if name in splits:
             p.copy_(tp.shard(full, splits[name]))
-    return model
+    return model.fuse_projections()

@@ -9,6 +9,13 @@ and value heads, of the MLP channels and of the experts. Input projections are c
 heads or channels), output projections row-parallel, so a mixer or FFN returns this rank's partial sum of its
 output and the block all-reduces it. Embedding, norms, router and lm_head are replicated. `tp_splits` on a
 module says how its full checkpoint tensors are cut (`Split`, collected by `parameter_splits`).
+
+Fused projections (`Qwen3_5ForCausalLM.fuse_projections`, run once the weights are loaded): the projections of a
+module that read the same input are stacked into one weight, so they run as one GEMM (a decode step at small batch
+is bound by kernel launches): GDN's qkv | z | b | a, attention's q | k | v, the MLP's gate | up, and in the MoE
+block router | shared expert's gate | shared expert's up | shared-expert gate. The parameters become row views of
+the stacked weight (kept as a plain attribute `_fused`), so names, shapes, `state_dict` and loading are unchanged;
+an unfused module (a freshly built one) runs the separate GEMMs.
 """
 
 from __future__ import annotations
@@ -21,10 +28,16 @@ from tandem.config import ModelConfig
 from tandem.model.batch import ForwardBatch
 from tandem.ops.attention import paged_attention, write_kv
 from tandem.ops.gdn import causal_conv1d, gated_delta_rule
-from tandem.ops.moe import fused_experts, route
+from tandem.ops.moe import fused_experts
 from tandem.ops.norm import gated_rms_norm, rms_norm_1p
 from tandem.ops.rope import apply_partial_rope, inv_frequencies
+from tandem.ops.triton_utils import HAS_TRITON, use_triton
 from tandem.parallel import SINGLE, Split, TPGroup
+
+if HAS_TRITON:
+    import triton
+
+    from tandem.ops.moe import _route_kernel
 
 
 class RMSNorm1p(nn.Module):
@@ -55,7 +68,65 @@ def _linear(n_in: int, n_out: int) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=False)
 
 
-class GatedDeltaNet(nn.Module):
+def _stacked(params: list[nn.Parameter]) -> bool:
+    """Whether the 2-D `params` already lie one after another, in order, in one storage."""
+    storage, offset = params[0].untyped_storage().data_ptr(), params[0].storage_offset()
+    for p in params:
+        if (not p.is_contiguous() or p.dtype != params[0].dtype or p.untyped_storage().data_ptr() != storage
+                or p.storage_offset() != offset):
+            return False
+        offset += p.numel()
+    return True
+
+
+def _stack_rows(params: list[nn.Parameter]) -> torch.Tensor:
+    """One [rows, in] tensor holding the 2-D `params` stacked along dim 0, each parameter re-pointed at its rows (no
+    extra memory). Parameters stacked already (fused before, or by an enclosing module) are left where they are:
+    the result is then a view over them, which makes fusing idempotent."""
+    first = params[0].data
+    rows = sum(p.shape[0] for p in params)
+    if _stacked(params):
+        return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
+    fused = torch.cat([p.data for p in params])
+    start = 0
+    for p in params:
+        p.data = fused[start : start + p.shape[0]]
+        start += p.shape[0]
+    return fused
+
+
+class _FusedProjections(nn.Module):
+    """A module whose projections `_fused_names` (weight names, in their order in the fused weight) read the same
+    input. `fuse()` stacks them into `_fused`; `project(x)` returns each projection of x, by one GEMM when fused.
+    Inference only: the fused weight carries no autograd."""
+
+    _fused_names: tuple[str, ...] = ()
+    _fused: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def fuse(self):
+        params = [self.get_parameter(n) for n in self._fused_names]
+        self._fused_rows = [p.shape[0] for p in params]
+        self._fused = _stack_rows(params)
+
+    def project(self, x):
+        if self._fused is None:
+            return [F.linear(x, self.get_parameter(n)) for n in self._fused_names]
+        return F.linear(x, self._fused).split(self._fused_rows, dim=-1)  # views: no copies
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .half(), to_empty(), ... give each parameter a tensor of its own: stack them again so that the
+        # fused weight follows the parameters
+        fused, self._fused = self._fused is not None, None
+        super()._apply(fn, recurse)
+        if fused:
+            self.fuse()
+        return self
+
+
+class GatedDeltaNet(_FusedProjections):
+    _fused_names = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
         # This rank's key heads and their value heads: value head h reads key head h // (nv / nk), so a
@@ -82,19 +153,22 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, batch: ForwardBatch, conv_state, recurrent_state):
         T = x.shape[0]
-        qkv = causal_conv1d(self.in_proj_qkv(x), conv_state, self.conv1d.weight[:, 0, :], batch)
+        mixed_qkv, z, b, a = self.project(x)
+        qkv = causal_conv1d(mixed_qkv, conv_state, self.conv1d.weight[:, 0, :], batch)
         q, k, v = qkv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         o = gated_delta_rule(
             q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk), v.view(T, self.nv, self.dv),
             g, beta, recurrent_state, batch,
         )
-        o = self.norm(o, self.in_proj_z(x).view(T, self.nv, self.dv))
+        o = self.norm(o, z.view(T, self.nv, self.dv))
         return self.out_proj(o.reshape(T, -1))
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(_FusedProjections):
+    _fused_names = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
         # This rank's query heads and KV heads: a contiguous share of each keeps every GQA group whole.
@@ -113,16 +187,19 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, batch: ForwardBatch, inv_freq, k_cache, v_cache):
         T = x.shape[0]
-        q, gate = self.q_proj(x).view(T, self.nh, 2 * self.hd).chunk(2, dim=-1)
+        q_gate, k, v = self.project(x)
+        q, gate = q_gate.view(T, self.nh, 2 * self.hd).chunk(2, dim=-1)
         q = apply_partial_rope(self.q_norm(q), batch.positions, inv_freq)
-        k = apply_partial_rope(self.k_norm(self.k_proj(x).view(T, self.nkv, self.hd)), batch.positions, inv_freq)
-        write_kv(k_cache, v_cache, batch.slot_mapping, k, self.v_proj(x).view(T, self.nkv, self.hd))
+        k = apply_partial_rope(self.k_norm(k.view(T, self.nkv, self.hd)), batch.positions, inv_freq)
+        write_kv(k_cache, v_cache, batch.slot_mapping, k, v.view(T, self.nkv, self.hd))
         o = paged_attention(q, k_cache, v_cache, batch, self.hd**-0.5)
         return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)))
 
 
-class MLP(nn.Module):
+class MLP(_FusedProjections):
     """SwiGLU over this rank's share of the intermediate channels (the whole of them on one rank)."""
+
+    _fused_names = ("gate_proj.weight", "up_proj.weight")
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
@@ -130,7 +207,11 @@ class MLP(nn.Module):
         self.tp_splits = {"gate_proj.weight": Split(0), "up_proj.weight": Split(0), "down_proj.weight": Split(1)}
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.swiglu_down(*self.project(x))
+
+    def swiglu_down(self, gate, up):
+        """The rest of the MLP, from the gate and up projections of its input."""
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -164,9 +245,31 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
 
 
-class SparseMoE(nn.Module):
+def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """`tandem.ops.moe.route` from the router logits [T, E] (the router GEMM is fused with the shared expert's):
+    fp32 softmax, top-k, optional renormalisation -> (weights [T, top_k] in the logits' dtype, experts int64)."""
+    if use_triton(logits):  # the routing kernel of `route_triton`, without its GEMM
+        T, E = logits.shape
+        weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+        experts = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+        if T:
+            _route_kernel[(T,)](logits.contiguous(), weights, experts, E, TOP_K=top_k,
+                                K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(E),
+                                RENORM=renormalize, num_warps=1 if E <= 1024 else 4)
+        return weights, experts
+    weights, experts = logits.softmax(dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+class SparseMoE(_FusedProjections):
     """Routed experts plus a sigmoid-gated shared expert. Every rank routes every token over all experts with the
     full router; the sum over experts is split between the ranks' experts (and shared-expert channels)."""
+
+    # gate and up stay adjacent, in MLP order, so the shared expert's own fused weight is a view into this one
+    _fused_names = ("gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                    "shared_expert_gate.weight")
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
@@ -177,10 +280,16 @@ class SparseMoE(nn.Module):
                                                           "shared_expert_intermediate_size"))
         self.shared_expert_gate = _linear(cfg.hidden_size, 1)
 
+    def fuse(self):
+        super().fuse()
+        self.shared_expert.fuse()  # its gate | up: a view of the rows just stacked
+
     def forward(self, x):
-        weights, experts = route(x, self.gate.weight, self.top_k, self.renormalize)
+        router_logits, shared_gate, shared_up, shared_logit = self.project(x)
+        weights, experts = route_logits(router_logits, self.top_k, self.renormalize)
+        shared = self.shared_expert.swiglu_down(shared_gate, shared_up)
         # the gate is replicated, so gate * (partial shared sum) is this rank's part of the gated shared expert
-        return self.experts(x, weights, experts) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, weights, experts) + torch.sigmoid(shared_logit) * shared
 
 
 class DecoderLayer(nn.Module):
@@ -241,6 +350,16 @@ class Qwen3_5ForCausalLM(nn.Module):
         for layer, cache in zip(self.model.layers, caches):
             h = layer(h, batch, self.inv_freq, cache)
         return self.model.norm(h)
+
+    @torch.no_grad()
+    def fuse_projections(self) -> Qwen3_5ForCausalLM:
+        """Stacks the weights of the projections that read the same input, module by module (target and MTP
+        layers), so each group runs as one GEMM; the parameters become views of the stacked weights. Run it once
+        the weights are in place (the loader and `random_model` do); running it again changes nothing."""
+        for module in self.modules():
+            if isinstance(module, _FusedProjections):
+                module.fuse()
+        return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight).float()

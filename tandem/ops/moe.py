@@ -51,7 +51,7 @@ if HAS_TRITON:
         top_e = tl.zeros([K_P2], tl.int64)
         for j in tl.static_range(TOP_K):
             m = tl.max(rest, axis=0)
-            idx = tl.min(tl.where(rest == m, ex, E_P2), axis=0)
+            idx = tl.minimum(tl.min(tl.where(rest == m, ex, E_P2), axis=0), E - 1)  # NaN logits: stay in range
             top_w = tl.where(ks == j, m, top_w)
             top_e = tl.where(ks == j, idx.to(tl.int64), top_e)
             rest = tl.where(ex == idx, -2.0, rest)

@@ -84,18 +84,20 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "prefill_workers", "decode_workers", "transfer_backend", "workers")
+    __slots__ = ("version", "prefill_workers", "decode_workers", "transfer_backend", "workers", "mode")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     version: str
     prefill_workers: _containers.RepeatedScalarFieldContainer[str]
     decode_workers: _containers.RepeatedScalarFieldContainer[str]
     transfer_backend: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, version: _Optional[str] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., decode_workers: _Optional[_Iterable[str]] = ..., transfer_backend: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    mode: str
+    def __init__(self, version: _Optional[str] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., decode_workers: _Optional[_Iterable[str]] = ..., transfer_backend: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("address", "role", "healthy", "load")

@@ -29,6 +29,8 @@ if _version_not_supported:
 class PrefillWorkerStub:
     """Prefill worker: computes the prompt's KV cache and final GDN states, samples the first token, runs the MTP
     layer over the prompt, pushes the hand-off to the decode worker named in the lease, returns the first token.
+    Decode workers serve it too, for the leases they issued (colocated serving): the request is prefilled in the
+    decode worker's own engine, no hand-off (handoff_bytes 0); the tokens after the first follow through Decode.
     """
 
     def __init__(self, channel):
@@ -57,6 +59,8 @@ class PrefillWorkerStub:
 class PrefillWorkerServicer:
     """Prefill worker: computes the prompt's KV cache and final GDN states, samples the first token, runs the MTP
     layer over the prompt, pushes the hand-off to the decode worker named in the lease, returns the first token.
+    Decode workers serve it too, for the leases they issued (colocated serving): the request is prefilled in the
+    decode worker's own engine, no hand-off (handoff_bytes 0); the tokens after the first follow through Decode.
     """
 
     def Prefill(self, request, context):
@@ -106,6 +110,8 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
 class PrefillWorker:
     """Prefill worker: computes the prompt's KV cache and final GDN states, samples the first token, runs the MTP
     layer over the prompt, pushes the hand-off to the decode worker named in the lease, returns the first token.
+    Decode workers serve it too, for the leases they issued (colocated serving): the request is prefilled in the
+    decode worker's own engine, no hand-off (handoff_bytes 0); the tokens after the first follow through Decode.
     """
 
     @staticmethod

@@ -1,0 +1,248 @@
+"""Fused projections (`Qwen3_5ForCausalLM.fuse_projections`): one GEMM per group of projections reading the same
+input gives the unfused model's logits and greedy tokens, with the parameters as views of the fused weights
+(no extra memory, names and state_dict unchanged)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.config import EngineConfig
+from tandem.engine.llm import Engine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import ScheduledChunk
+from tandem.engine.sequence import Sequence
+from tandem.model.loader import build_empty_model
+from tandem.model.presets import preset_config, random_model
+from tandem.model import qwen3_5
+from tandem.model.qwen3_5 import MLP, GatedAttention, GatedDeltaNet, SparseMoE
+from tandem.ops import moe
+from tandem.ops.triton_utils import HAS_TRITON
+from tandem.parallel import TPGroup
+
+NAMES = ["tiny-moe", "tiny-dense"]
+FUSED = (GatedDeltaNet, GatedAttention, MLP, SparseMoE)
+
+
+def unfused_copy(cfg, model):
+    """The same weights in a freshly built (so never fused) model, each parameter a tensor of its own."""
+    ref = build_empty_model(cfg, "cpu", torch.float32, with_mtp=hasattr(model, "mtp"))
+    ref.load_state_dict(model.state_dict())
+    assert all(m._fused is None for m in ref.modules() if isinstance(m, FUSED))
+    return ref
+
+
+def fused_modules(model):
+    return [m for m in model.modules() if isinstance(m, FUSED)]
+
+
+def assert_fused(model):
+    """Every fusable module has its fused weight, and each of its projections is a row view inside it."""
+    mods = fused_modules(model)
+    assert {type(m) for m in mods} >= {GatedDeltaNet, GatedAttention}
+    for m in mods:
+        fused = m._fused
+        assert fused is not None and fused.is_contiguous()
+        start, end = fused.data_ptr(), fused.data_ptr() + fused.numel() * fused.element_size()
+        ptr, rows = start, 0
+        for name in m._fused_names:
+            p = m.get_parameter(name)
+            assert p.data_ptr() == ptr and p.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+            ptr += p.numel() * p.element_size()
+            rows += p.shape[0]
+            assert torch.equal(p, fused[rows - p.shape[0] : rows])
+        assert ptr == end and rows == fused.shape[0]
+
+
+def admitted(engine, rid, ids):
+    seq = Sequence(rid, list(ids), SamplingParams(max_tokens=16))
+    engine.scheduler.add(seq)
+    assert engine.scheduler._try_admit(engine.scheduler.waiting.popleft())
+    return seq
+
+
+def prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def packed_logits(cfg, model, ps):
+    """Logits at every row of one packed prefill batch, then of one decode step of every request."""
+    eng = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=8, max_model_len=128))
+    seqs = [admitted(eng, str(i), p) for i, p in enumerate(ps)]
+    prefill = eng.runner.run([ScheduledChunk(s, len(p)) for s, p in zip(seqs, ps)], all_rows=True)
+    for s in seqs:
+        s.prompt_token_ids.append(7)
+    decode = eng.runner.run([ScheduledChunk(s, 1) for s in seqs], all_rows=True)
+    return torch.cat([prefill, decode])
+
+
+def greedy(cfg, model, ps, k):
+    eng = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=3, max_num_batched_tokens=16,
+                                          max_model_len=128, num_speculative_tokens=k))
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    out = {}
+    while eng.has_work():
+        out.update({s.request_id: list(s.output_token_ids) for s in eng.step()})
+    return [out[str(i)] for i in range(len(ps))]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fused_model_equals_unfused(name):
+    cfg = preset_config(name)
+    model = random_model(cfg, "cpu", torch.float32, seed=2)
+    assert_fused(model)
+    ref = unfused_copy(cfg, model)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert not any(n.endswith("_fused") for n, _ in model.named_buffers())
+    ps = prompts([1, 7, 19, 33])
+    got, want = packed_logits(cfg, model, ps), packed_logits(cfg, ref, ps)
+    assert (got - want).abs().max() <= 1e-5
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    gp = prompts([3, 20, 7, 12, 1], seed=3)
+    for k in (0, 2):  # the MTP head's layer is fused too
+        assert greedy(cfg, model, gp, k) == greedy(cfg, ref, gp, k)
+
+
+def test_moe_block_is_one_gemm_with_the_shared_expert():
+    model = random_model(preset_config("tiny-moe"), "cpu", torch.float32)
+    moe = model.model.layers[0].mlp
+    cfg = model.cfg
+    inter = cfg.shared_expert_intermediate_size
+    assert moe._fused.shape == (cfg.num_experts + 2 * inter + 1, cfg.hidden_size)
+    # the shared expert's own gate | up is a view of the MoE block's rows, not a second copy
+    assert moe.shared_expert._fused.data_ptr() == moe.shared_expert.gate_proj.weight.data_ptr()
+    assert moe.shared_expert._fused.untyped_storage().data_ptr() == moe._fused.untyped_storage().data_ptr()
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = (torch.nn.functional.silu(moe.shared_expert.gate_proj(x)) * moe.shared_expert.up_proj(x))
+    assert torch.allclose(moe.shared_expert(x), moe.shared_expert.down_proj(want), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fusing_again_changes_nothing(name):
+    model = random_model(preset_config(name), "cpu", torch.float32)
+    before = {id(m): m._fused.data_ptr() for m in fused_modules(model)}
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    model.fuse_projections()
+    assert {id(m): m._fused.data_ptr() for m in fused_modules(model)} == before
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    assert_fused(model)
+
+
+def test_converting_the_model_keeps_it_fused():
+    cfg = preset_config("tiny-moe")
+    model = random_model(cfg, "cpu", torch.float32)
+    ps = prompts([5, 9])
+    want = packed_logits(cfg, model, ps)
+    model.to(torch.float64).to(torch.float32)  # every parameter gets a new tensor, twice
+    assert_fused(model)
+    assert all(m._fused.dtype == torch.float32 for m in fused_modules(model))
+    assert torch.equal(packed_logits(cfg, model, ps), want)
+
+
+def test_unfused_model_runs_the_separate_projections():
+    cfg = preset_config("tiny-moe")
+    model = random_model(cfg, "cpu", torch.float32)
+    ref = unfused_copy(cfg, model)
+    ps = prompts([4, 11])
+    assert (packed_logits(cfg, ref, ps) - packed_logits(cfg, model, ps)).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its interpreter runs the kernel on the CPU)")
+@pytest.mark.parametrize("renorm", [False, True])
+def test_routing_kernel_from_fused_logits(monkeypatch, renorm):
+    """The GPU branch of route_logits (the routing kernel, under the interpreter here) on the router's columns of a
+    fused output, against `route` on the input."""
+    g = torch.Generator().manual_seed(0)
+    x, router, other = (torch.randn(n, 64, generator=g) for n in (7, 16, 9))
+    logits = F.linear(x, torch.cat([router, other]))[:, :16]  # strided, as in SparseMoE
+    monkeypatch.setattr(qwen3_5, "use_triton", lambda t: True)
+    w, e = qwen3_5.route_logits(logits, 3, renorm)
+    w_ref, e_ref = moe.route_torch(x, router, 3, renorm)
+    assert torch.equal(e, e_ref) and torch.allclose(w, w_ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tensor_parallel_shards_are_fused(name):
+    cfg = preset_config(name)
+    for rank in range(2):
+        part = random_model(cfg, "cpu", torch.float32, seed=3, tp=TPGroup(rank, 2))  # no process group needed
+        assert_fused(part)
+        attn = next(m for m in part.modules() if isinstance(m, GatedAttention))
+        assert attn._fused.shape[0] == (attn.nh * 2 + attn.nkv * 2) * attn.hd  # this rank's heads only
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+
+def cuda_kernels(fn) -> int:
+    """Kernels `fn` launches on the GPU (copies and fills not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset")))
+
+
+def step_kernels(cfg, model, rows: int) -> int:
+    """Kernels of one forward of `rows` new rows of a single request (rows 1: a decode step at batch 1)."""
+    dtype = model.model.embed_tokens.weight.dtype
+    eng = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=128, device="cuda",
+                                          dtype=dtype))
+    (p,) = prompts([9])
+    seq = admitted(eng, "a", p)
+    eng.runner.run([ScheduledChunk(seq, 9)])
+    counts = []
+    for _ in range(2):  # the first one compiles and warms up
+        seq.prompt_token_ids += [7] * rows
+        counts.append(cuda_kernels(lambda: eng.runner.run([ScheduledChunk(seq, rows)])))
+    return counts[-1]
+
+
+def on_gpu(cfg, model):
+    ref = build_empty_model(cfg, "cuda", model.model.embed_tokens.weight.dtype, with_mtp=hasattr(model, "mtp"))
+    ref.load_state_dict(model.state_dict())
+    return ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_fused_model_equals_unfused_on_gpu(name):
+    cfg = preset_config(name)
+    model = random_model(cfg, "cuda", torch.float32, seed=2)
+    assert_fused(model)
+    ref = on_gpu(cfg, model)
+    ps = prompts([1, 7, 19, 33])
+
+    def logits(m):
+        eng = Engine(cfg, m, EngineConfig(block_size=4, max_num_seqs=8, max_model_len=128, device="cuda"))
+        seqs = [admitted(eng, str(i), p) for i, p in enumerate(ps)]
+        out = [eng.runner.run([ScheduledChunk(s, len(p)) for s, p in zip(seqs, ps)], all_rows=True)]
+        for s in seqs:
+            s.prompt_token_ids += [7, 8, 9]
+        out.append(eng.runner.run([ScheduledChunk(s, 3) for s in seqs], all_rows=True))  # verify-shaped rows
+        return torch.cat(out)
+
+    got, want = logits(model), logits(ref)
+    assert (got - want).abs().max() <= 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, saved_decode, saved_verify", [
+    # At least, by the GEMMs merged: per GDN layer 3 (2 with several rows: the gated norm copies z's strided
+    # rows), per attention layer 2 (1: k's rows are copied for its norm), per MoE block 3 (2: the routing kernel
+    # reads contiguous logits), per dense MLP 1. Both presets: 3 GDN layers, 1 attention layer. (cuBLAS may run
+    # some of the small separate GEMMs as two kernels: more are saved then.)
+    ("tiny-moe", 3 * 3 + 2 + 4 * 3, 3 * 2 + 1 + 4 * 2),
+    ("tiny-dense", 3 * 3 + 2 + 4 * 1, 3 * 2 + 1 + 4 * 1),
+])
+def test_fused_model_launches_fewer_kernels(name, saved_decode, saved_verify):
+    cfg = preset_config(name)
+    model = random_model(cfg, "cuda", torch.bfloat16)
+    ref = on_gpu(cfg, model)
+    assert step_kernels(cfg, ref, 1) - step_kernels(cfg, model, 1) >= saved_decode
+    assert step_kernels(cfg, ref, 3) - step_kernels(cfg, model, 3) >= saved_verify
