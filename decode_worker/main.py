@@ -10,7 +10,7 @@ from tandem.engine.llm import Engine, load_model
 from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import Server, Tls, add_tls_args
 from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, engine_config,
-                                 fingerprint, serve_until_signalled, start_metrics)
+                                 fingerprint, prepare_engine, serve_until_signalled, start_metrics)
 
 
 def add_args(ap) -> None:
@@ -29,7 +29,7 @@ def main(args) -> int:
     metrics, metrics_address = start_metrics(args, "decode")
     tls = Tls.from_args(args)
     engine = Engine(cfg, model, ecfg)
-    engine.capture_graphs()
+    prepare_engine(engine)  # it may prefill too (colocated serving)
     worker = DecodeWorker(engine, fingerprint(args), args.host, args.transfer_port,
                           advertise_host(args), lease_seconds=args.lease_seconds, metrics=metrics,
                           ssl_context=tls.server_context() if tls else None).start()

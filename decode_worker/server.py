@@ -35,7 +35,7 @@ from tandem.engine.loop import EngineLoop
 from tandem.engine.sequence import Sequence, Status
 from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
-from tandem.rpc.server import on_end
+from tandem.rpc.server import on_end, time_left
 from tandem.rpc.convert import finish_reason_to_proto, load_of, logprobs_to_proto, sampling_from_proto
 from tandem.transfer.base import TransferServer
 from tandem.transfer.errors import TransferRejected
@@ -179,11 +179,14 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             if rec.seq.status == Status.RESERVED:  # not aborted or expired meanwhile (its waiter is answered then)
                 engine.prefill_reserved(rec.seq)
 
-        try:
-            self.loop.call(admit)
+        try:  # a step may run long (a cold prefill compiles kernels): wait as long as the lease and the caller allow
+            self.loop.call(admit, timeout=time_left(context, self.lease_seconds))
         except RuntimeError as e:  # the engine loop is stopped
             self._abort(rec.seq.request_id)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"this decode worker is stopping: {e}")
+        except TimeoutError:
+            self._abort(rec.seq.request_id)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not take the request in time")
         while True:
             try:
                 out = rec.first.result(timeout=0.5)

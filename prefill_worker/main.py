@@ -10,7 +10,7 @@ from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import Server, Tls, add_tls_args
 from tandem.transfer.base import BACKENDS
 from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, engine_config,
-                                 fingerprint, serve_until_signalled, start_metrics)
+                                 fingerprint, prepare_engine, serve_until_signalled, start_metrics)
 
 
 def add_args(ap) -> None:
@@ -30,7 +30,9 @@ def main(args) -> int:
         backend = "tcp" if ecfg.device == "cpu" else "cuda_ipc"
     metrics, metrics_address = start_metrics(args, "prefill")
     tls = Tls.from_args(args)
-    worker = PrefillWorker(Engine(cfg, model, ecfg, prefill_only=True), fingerprint(args), backend,
+    engine = Engine(cfg, model, ecfg, prefill_only=True)
+    prepare_engine(engine)
+    worker = PrefillWorker(engine, fingerprint(args), backend,
                            args.inject_fault, metrics, ssl_context=tls.client_context() if tls else None).start()
     server = Server(tls=tls)
     server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, worker,

@@ -76,7 +76,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
             self._queued_tokens += len(prompt)
         try:
             try:
-                self.loop.call(lambda e: e.add_request(rid, prompt, params))
+                self.loop.call(lambda e: e.add_request(rid, prompt, params), timeout=time_left(context))
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             on_end(context, lambda: self._abort(rid))  # a cancelled or timed-out RPC frees the request

@@ -64,6 +64,14 @@ def engine_config(args) -> EngineConfig:
                         if args.emulated_acceptance else None)
 
 
+def prepare_engine(engine) -> None:
+    """Before a worker serves: on a GPU, compile the prefill kernels and capture the decode graphs now, so the
+    first requests do not wait for them."""
+    if engine.ecfg.device.startswith("cuda"):
+        engine.warm_up()
+        engine.capture_graphs()
+
+
 def model_config(model: str) -> ModelConfig:
     return ModelConfig.from_dir(model) if os.path.isdir(model) else preset_config(model)
 

@@ -57,3 +57,25 @@ def test_allocator_rejects_double_free():
     with pytest.raises(ValueError):
         a.free(ids[:1])
     assert a.num_used == 0 and a.num_free == 3
+
+
+@pytest.mark.parametrize("prefill_only", [False, True])
+def test_warm_up_frees_everything_and_changes_no_output(prefill_only):
+    cfg = preset_config("tiny-moe")
+    model = random_model(cfg, "cpu", torch.float32)
+    ecfg = EngineConfig(block_size=4, max_model_len=64, max_num_seqs=3, max_num_batched_tokens=16,
+                        num_speculative_tokens=2)
+
+    def first_tokens(warm):
+        eng = Engine(cfg, model, ecfg, prefill_only=prefill_only)
+        if warm:
+            eng.warm_up()
+            assert not eng.sequences and not eng.scheduler.running and not eng.scheduler.waiting
+            assert eng.pools.blocks.num_used == 0 and eng.pools.slots.num_used == 0
+        eng.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
+        seq = eng.sequences["a"]
+        while seq.in_prefill or not seq.output_token_ids:
+            eng.step()
+        return seq.output_token_ids, seq.drafts
+
+    assert first_tokens(True) == first_tokens(False)

@@ -92,7 +92,8 @@ class Engine:
         self._emulation_rng = random.Random(0)
         self.scheduler = Scheduler(ecfg, self.pools, prefill_only)
         self.runner = ModelRunner(model, self.pools, ecfg)
-        self.graphs = DecodeGraphs(model, self.pools, ecfg) if ecfg.cuda_graphs and self.tp.world_size == 1 else None
+        decodes = ecfg.cuda_graphs and self.tp.world_size == 1 and not prefill_only
+        self.graphs = DecodeGraphs(model, self.pools, ecfg) if decodes else None
         self.generators: dict[str, torch.Generator] = {}
         self.sequences: dict[str, Sequence] = {}
 
@@ -104,6 +105,24 @@ class Engine:
             self.graphs.capture_all()
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graphs.buckets,
                      time.monotonic() - t0)
+
+    def warm_up(self) -> None:
+        """Compiles the prefill kernels before serving (on a GPU the first prompt of a new shape otherwise pays
+        seconds of Triton compiles and autotuning inside a step): a full-budget prompt, then a few short ones
+        together. Everything is freed afterwards."""
+        t0 = time.monotonic()
+        longest = min(self.ecfg.max_num_batched_tokens, self.ecfg.max_model_len - 1 - self.ecfg.num_speculative_tokens)
+        batches = [[longest], [min(longest, 64 + 32 * i) for i in range(min(4, self.ecfg.max_num_seqs))]]
+        params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+        for lengths in batches:
+            ids = [f"__warmup-{i}" for i in range(len(lengths))]
+            for rid, n in zip(ids, lengths):
+                self.add_request(rid, [i % self.cfg.vocab_size for i in range(n)], params)
+            while any(r in self.sequences and self.sequences[r].in_prefill for r in ids):
+                self.step()
+            for rid in ids:
+                self.abort(rid)
+        log.info("prefill kernels warmed up in %.1f s", time.monotonic() - t0)
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.sequences:

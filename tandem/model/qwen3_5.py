@@ -28,16 +28,10 @@ from tandem.config import ModelConfig
 from tandem.model.batch import ForwardBatch
 from tandem.ops.attention import paged_attention, write_kv
 from tandem.ops.gdn import causal_conv1d, gated_delta_rule
-from tandem.ops.moe import fused_experts
+from tandem.ops.moe import fused_experts, route_logits
 from tandem.ops.norm import gated_rms_norm, rms_norm_1p
 from tandem.ops.rope import apply_partial_rope, inv_frequencies
-from tandem.ops.triton_utils import HAS_TRITON, use_triton
 from tandem.parallel import SINGLE, Split, TPGroup
-
-if HAS_TRITON:
-    import triton
-
-    from tandem.ops.moe import _route_kernel
 
 
 class RMSNorm1p(nn.Module):
@@ -243,24 +237,6 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
-
-
-def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool):
-    """`tandem.ops.moe.route` from the router logits [T, E] (the router GEMM is fused with the shared expert's):
-    fp32 softmax, top-k, optional renormalisation -> (weights [T, top_k] in the logits' dtype, experts int64)."""
-    if use_triton(logits):  # the routing kernel of `route_triton`, without its GEMM
-        T, E = logits.shape
-        weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
-        experts = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
-        if T:
-            _route_kernel[(T,)](logits.contiguous(), weights, experts, E, TOP_K=top_k,
-                                K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(E),
-                                RENORM=renormalize, num_warps=1 if E <= 1024 else 4)
-        return weights, experts
-    weights, experts = logits.softmax(dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(logits.dtype), experts
 
 
 class SparseMoE(_FusedProjections):

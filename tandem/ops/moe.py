@@ -185,9 +185,15 @@ if HAS_TRITON:
 # ---------------------------------------------------------------------------------------------------- dispatch
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool):
-    if use_triton(x):
-        return route_triton(x, router_weight, top_k, renormalize)
-    return route_torch(x, router_weight, top_k, renormalize)
+    return route_logits(F.linear(x, router_weight), top_k, renormalize)
+
+
+def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Router logits [T, E] -> (weights [T, top_k] in the logits' dtype, experts int64): fp32 softmax, top-k,
+    optional renormalisation. (The model's router GEMM is fused with the shared expert's, so it passes logits.)"""
+    if use_triton(logits):
+        return route_logits_triton(logits, top_k, renormalize)
+    return route_logits_torch(logits, top_k, renormalize)
 
 
 def fused_experts(x, gate_up, down, weights, experts) -> torch.Tensor:
@@ -200,11 +206,14 @@ def fused_experts(x, gate_up, down, weights, experts) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- torch
 
 def route_torch(x, router_weight, top_k, renormalize):
-    probs = F.linear(x, router_weight).softmax(dim=-1, dtype=torch.float32)
-    weights, experts = probs.topk(top_k, dim=-1)
+    return route_logits_torch(F.linear(x, router_weight), top_k, renormalize)
+
+
+def route_logits_torch(logits, top_k, renormalize):
+    weights, experts = logits.softmax(dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(x.dtype), experts
+    return weights.to(logits.dtype), experts
 
 
 def _fused_experts_torch(x, gate_up, down, weights, experts):
@@ -229,10 +238,13 @@ def _fused_experts_torch(x, gate_up, down, weights, experts):
 # ---------------------------------------------------------------------------------------------------- triton
 
 def route_triton(x, router_weight, top_k, renormalize):
-    logits = F.linear(x, router_weight)
+    return route_logits_triton(F.linear(x, router_weight), top_k, renormalize)
+
+
+def route_logits_triton(logits, top_k, renormalize):
     T, E = logits.shape
-    weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
-    experts = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    experts = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
         _route_kernel[(T,)](logits.contiguous(), weights, experts, E, TOP_K=top_k,
                             K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(E),
