@@ -1,8 +1,31 @@
 """`tandem serve` for multi-process tests (127.0.0.1, free ports) and the check that nothing stays allocated."""
 
+import grpc
+import pytest
+
+from tandem.engine.sampling_params import SamplingParams
 from tandem.launch import ServeProcess as Cluster
 
-__all__ = ["Cluster", "assert_idle"]
+__all__ = ["Cluster", "assert_idle", "cancel_at_three_stages", "long_request"]
+
+
+def long_request():
+    return [5, 6, 7, 8], SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+
+
+def cancel_at_three_stages(cluster: Cluster) -> None:
+    """Client cancels before the first token (reserving / prefilling), right after it, and while decoding: each
+    ends CANCELLED and nothing stays allocated."""
+    for reads in (0, 1, 3):
+        call = cluster.client.generate(*long_request(), timeout=120)
+        it = iter(call)
+        for _ in range(reads):
+            next(it)
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as e:
+            list(it)
+        assert e.value.code() == grpc.StatusCode.CANCELLED
+    assert_idle(cluster)
 
 
 def assert_idle(cluster: Cluster) -> None:

@@ -15,7 +15,7 @@ import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import Cluster, assert_idle
+from cluster import Cluster, assert_idle, cancel_at_three_stages, long_request
 from decode_worker.server import DecodeWorker
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
@@ -109,10 +109,6 @@ def test_unary_and_http_stream(cluster, oracle):
     assert_idle(cluster)
 
 
-def long_request():
-    return [5, 6, 7, 8], SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
-
-
 def test_abort_mid_stream_frees_everything(cluster):
     it = iter(cluster.client.generate(*long_request(), request_id="to-abort", timeout=120))
     first = [next(it), next(it)]
@@ -125,16 +121,7 @@ def test_abort_mid_stream_frees_everything(cluster):
 
 
 def test_client_cancel_frees_everything(cluster):
-    for reads in (0, 1, 3):  # cancelled before the first token (while reserving/prefilling), right after, decoding
-        call = cluster.client.generate(*long_request(), timeout=120)
-        it = iter(call)
-        for _ in range(reads):
-            next(it)
-        call.cancel()
-        with pytest.raises(grpc.RpcError) as e:
-            list(it)
-        assert e.value.code() == grpc.StatusCode.CANCELLED
-    assert_idle(cluster)
+    cancel_at_three_stages(cluster)
 
 
 def test_prefill_rpc_on_the_decode_worker(cluster):

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from cluster import Cluster, assert_idle
+from cluster import Cluster, assert_idle, cancel_at_three_stages, long_request
 from tandem import LLM, SamplingParams
 from tandem.rpc import common_pb2, router_pb2
 from tandem.worker_setup import DEFAULT_MODEL, model_config
@@ -95,10 +95,6 @@ def test_unary_equals_stream(cluster, oracle):
     assert_idle(cluster)
 
 
-def long_request():
-    return [5, 6, 7, 8], SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
-
-
 def test_text_in_text_out(cluster):
     out = cluster.client.generate_unary("Hello! What can you do?", SamplingParams(max_tokens=12, temperature=0.0,
                                                                                   ignore_eos=True),
@@ -120,16 +116,7 @@ def test_abort_mid_stream_frees_everything(cluster):
 
 
 def test_client_cancel_frees_everything(cluster):
-    for reads in (0, 1, 3):  # cancelled before the first token, right after it, and while decoding
-        call = cluster.client.generate(*long_request(), timeout=120)
-        it = iter(call)
-        for _ in range(reads):
-            next(it)
-        call.cancel()
-        with pytest.raises(grpc.RpcError) as e:
-            list(it)
-        assert e.value.code() == grpc.StatusCode.CANCELLED
-    assert_idle(cluster)
+    cancel_at_three_stages(cluster)
 
 
 def test_deadline_exceeded_frees_everything(cluster):
