@@ -6,6 +6,9 @@ interleaved `in_proj_qkvz` / `in_proj_ba` (converted to the 3.5 split layout); `
 (`model.mtp`, present when the checkpoint has those tensors). Each tensor goes straight to the device and dtype; nothing is staged in a second full CPU copy.
 Under tensor parallelism a rank reads only its part of each split tensor (safetensors slices) and only its
 experts; the Qwen3-Next packed projections are read whole, converted, then cut.
+FP8 block-quantised checkpoints (`quantization_config.quant_method == "fp8"`, see `tandem/model/fp8.py`): each
+float8 weight is dequantised with its `weight_scale_inv` into the model dtype as it is read (read whole, then cut);
+there is no FP8 compute path yet.
 """
 
 from __future__ import annotations
@@ -192,6 +195,92 @@ class _Writer:
             raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(self.problems))
 
 
+def _quantization(path: str) -> fp8.Fp8Quantization | None:
+    """The checkpoint's FP8 scheme from its config.json (top level or `text_config`); None when unquantised."""
+    from tandem.model import fp8  # imported here: `python -m tandem.model.fp8` must not find it imported already
+
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        return None
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    q = raw.get("quantization_config", (raw.get("text_config") or {}).get("quantization_config"))
+    try:
+        return fp8.Fp8Quantization.from_hf(q)
+    except fp8.Fp8FormatError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+class _TensorSlice:
+    """A loaded tensor behind the safetensors slice interface (`get_shape`, indexing)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def get_shape(self):
+        return list(self.t.shape)
+
+    def __getitem__(self, index):
+        return self.t[index]
+
+
+class _Fp8File:
+    """An open safetensors file whose float8 weights read as fp32 (dequantised with their `weight_scale_inv`,
+    which may lie in another shard); the scale tensors themselves are not listed. Problems go to `problems`."""
+
+    def __init__(self, f, quant: fp8.Fp8Quantization, scale_files: dict[str, str], device, problems: list[str],
+                 used_scales: set[str]):
+        from tandem.model import fp8
+
+        self.fp8 = fp8
+        self.f, self.quant, self.scale_files, self.device = f, quant, scale_files, device
+        self.problems, self.used_scales = problems, used_scales
+        self._last: tuple[str, torch.Tensor] | None = None  # the loader asks for a slice, then the tensor
+
+    def keys(self):
+        return [k for k in self.f.keys() if not k.endswith(self.fp8.SCALE_SUFFIX)]
+
+    def _is_fp8(self, key: str) -> bool:
+        return self.f.get_slice(key).get_dtype() == "F8_E4M3"
+
+    def _scale(self, key: str):
+        file = self.scale_files.get(key + self.fp8.SCALE_SUFFIX)
+        if file is None:
+            return None
+        self.used_scales.add(key + self.fp8.SCALE_SUFFIX)
+        with safe_open(file, framework="pt", device=str(self.device)) as g:
+            return g.get_tensor(key + self.fp8.SCALE_SUFFIX)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        if not self._is_fp8(key):
+            if key + self.fp8.SCALE_SUFFIX in self.scale_files:
+                self.used_scales.add(key + self.fp8.SCALE_SUFFIX)
+                self.problems.append(f"{key}: has a {self.fp8.SCALE_SUFFIX} but is not float8_e4m3fn")
+            return self.f.get_tensor(key)
+        module = key.removesuffix(".weight")
+        if any(self.fp8.module_matches(module, p) for p in self.quant.modules_to_not_convert):
+            self.problems.append(f"{key}: stored as float8 but quantization_config.modules_to_not_convert names it")
+        scale = self._scale(key)
+        w = self.f.get_tensor(key)
+        if scale is None:
+            self.problems.append(f"missing scale tensor {key}{self.fp8.SCALE_SUFFIX} for the float8 weight {key}")
+            return w.float()  # a placeholder of the right shape; the load fails in finish()
+        try:
+            return self.fp8.dequantize_block_fp8(w, scale, self.quant.weight_block_size)
+        except self.fp8.Fp8FormatError as e:
+            self.problems.append(f"mis-shaped scale tensor {key}{self.fp8.SCALE_SUFFIX}: {e}")
+            return w.float()
+
+    def get_slice(self, key: str):
+        if not self._is_fp8(key):
+            return self.f.get_slice(key)
+        if self._last is None or self._last[0] != key:
+            self._last = (key, self.get_tensor(key))
+        return _TensorSlice(self._last[1])
+
+
 def _has_mtp_tensors(files: list[str]) -> bool:
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -206,13 +295,25 @@ def load_checkpoint(path: str, cfg: ModelConfig, device: str, dtype: torch.dtype
     when the config declares one and the checkpoint holds its `mtp.*` weights. Under tensor parallelism, this
     rank's shard of it. Its projections are fused (`fuse_projections`) once everything is loaded."""
     files = _checkpoint_files(path)
+    quant = _quantization(path)
     with_mtp = cfg.num_mtp_layers > 0 and _has_mtp_tensors(files)
     model = build_empty_model(cfg, device, dtype, with_mtp, tp)
     writer = _Writer(model)
+    scale_files, used_scales = {}, set()
+    if quant is not None:
+        from tandem.model.fp8 import SCALE_SUFFIX
+
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                scale_files.update({k: file for k in f.keys() if k.endswith(SCALE_SUFFIX)})
     with torch.no_grad():
         for file in tqdm(files, desc="loading shards", disable=not progress or len(files) < 2):
             with safe_open(file, framework="pt", device=str(device)) as f:
+                if quant is not None:
+                    f = _Fp8File(f, quant, scale_files, device, writer.problems, used_scales)
                 for name in f.keys():
                     writer.add(name, f)
+    writer.problems += [f"unexpected tensor {k} (its weight is not float8 or missing)"
+                        for k in sorted(set(scale_files) - used_scales)]
     writer.finish()
     return model.fuse_projections()
