@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 
 from decode_worker.server import DecodeWorker
-from tandem.engine.llm import Engine, load_model
+from tandem.engine.llm import Engine
 from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import Server, Tls, add_tls_args
-from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, engine_config,
-                                 fingerprint, prepare_engine, serve_until_signalled, start_metrics)
+from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, build_worker_model,
+                                 engine_config, fingerprint, prepare_engine, serve_until_signalled, start_metrics,
+                                 stop_worker_model)
 
 
 def add_args(ap) -> None:
@@ -25,7 +26,7 @@ def add_args(ap) -> None:
 def main(args) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s decode %(levelname)s %(message)s")
     ecfg = engine_config(args)
-    cfg, model, _ = load_model(args.model, ecfg.device, ecfg.dtype, args.seed)
+    cfg, model, _ = build_worker_model(args, ecfg)
     metrics, metrics_address = start_metrics(args, "decode")
     tls = Tls.from_args(args)
     engine = Engine(cfg, model, ecfg)
@@ -42,4 +43,5 @@ def main(args) -> int:
     announce("decode-worker", grpc=f"{advertise_host(args)}:{port}", transfer=worker.transfer_address,
              metrics=metrics_address)
     serve_until_signalled(server, worker, args.drain_timeout)
+    stop_worker_model(model)
     return 0

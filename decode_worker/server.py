@@ -36,7 +36,8 @@ from tandem.engine.sequence import Sequence, Status
 from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import on_end, time_left
-from tandem.rpc.convert import finish_reason_to_proto, load_of, logprobs_to_proto, sampling_from_proto
+from tandem.rpc.convert import (finish_reason_to_proto, load_of, logprobs_to_proto, prompt_logprobs_to_proto,
+                                sampling_from_proto)
 from tandem.transfer.base import TransferServer
 from tandem.transfer.errors import TransferRejected
 from tandem.transfer.manifest import dtype_name, unpack
@@ -50,6 +51,7 @@ class Output:
     logprobs: list[dict]
     finish_reason: str | None = None
     error: tuple[grpc.StatusCode, str] | None = None
+    prompt_logprobs: list = field(default_factory=list)  # colocated first token: the sequence's prompt_logprobs
 
 
 @dataclass
@@ -197,7 +199,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         if out.error is not None:
             context.abort(*out.error)
         resp = worker_pb2.PrefillResponse(first_token_id=out.token_ids[0] if out.token_ids else 0,
-                                          finish_reason=finish_reason_to_proto(out.finish_reason))
+                                          finish_reason=finish_reason_to_proto(out.finish_reason),
+                                          prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs))
         if out.logprobs:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
         return resp
@@ -311,7 +314,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             self.metrics.prompt_tokens_total.inc(len(seq.prompt_token_ids))
             self.metrics.request_prefill_time_seconds.observe(now - rec.prefill_started)
             self.metrics.generation_tokens_total.inc(1)
-        self._resolve_first(rec, Output(seq.output_token_ids[:1], lps, done))
+        self._resolve_first(rec, Output(seq.output_token_ids[:1], lps, done, prompt_logprobs=seq.prompt_logprobs))
 
     def _record_speculation(self) -> None:
         """Adds what the engine's cumulative speculation counters gained in this step."""

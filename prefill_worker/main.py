@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 
 from prefill_worker.server import FAULTS, PrefillWorker
-from tandem.engine.llm import Engine, load_model
+from tandem.engine.llm import Engine
 from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import Server, Tls, add_tls_args
 from tandem.transfer.base import BACKENDS
-from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, engine_config,
-                                 fingerprint, prepare_engine, serve_until_signalled, start_metrics)
+from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, build_worker_model,
+                                 engine_config, fingerprint, prepare_engine, serve_until_signalled, start_metrics,
+                                 stop_worker_model)
 
 
 def add_args(ap) -> None:
@@ -24,7 +25,7 @@ def add_args(ap) -> None:
 def main(args) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s prefill %(levelname)s %(message)s")
     ecfg = engine_config(args)
-    cfg, model, _ = load_model(args.model, ecfg.device, ecfg.dtype, args.seed)
+    cfg, model, _ = build_worker_model(args, ecfg)
     backend = args.transfer_backend
     if backend == "auto":
         backend = "tcp" if ecfg.device == "cpu" else "cuda_ipc"
@@ -41,4 +42,5 @@ def main(args) -> int:
     announce("prefill-worker", grpc=f"{advertise_host(args)}:{port}", transfer_backend=backend,
              metrics=metrics_address)
     serve_until_signalled(server, worker, args.drain_timeout)
+    stop_worker_model(model)
     return 0

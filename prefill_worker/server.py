@@ -22,7 +22,8 @@ from tandem.engine.loop import EngineLoop
 from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import on_end, time_left
-from tandem.rpc.convert import finish_reason_to_proto, load_of, logprobs_to_proto, sampling_from_proto
+from tandem.rpc.convert import (finish_reason_to_proto, load_of, logprobs_to_proto, prompt_logprobs_to_proto,
+                                sampling_from_proto)
 from tandem.transfer.base import TransferClient
 from tandem.transfer.errors import TransferError, TransferRejected
 from tandem.transfer.manifest import Manifest, checksum, pack
@@ -127,7 +128,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
     def _response(self, seq, finish_reason, nbytes: int = 0, seconds: float = 0.0):
         resp = worker_pb2.PrefillResponse(first_token_id=seq.output_token_ids[0] if seq.output_token_ids else 0,
                                           handoff_bytes=nbytes, handoff_seconds=seconds,
-                                          finish_reason=finish_reason_to_proto(finish_reason))
+                                          finish_reason=finish_reason_to_proto(finish_reason),
+                                          prompt_logprobs=prompt_logprobs_to_proto(seq.prompt_logprobs))
         if seq.output_logprobs:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(seq.output_logprobs[0]))
         return resp
@@ -206,3 +208,4 @@ class _Aborted:
 
     def __init__(self, rid: str):
         self.request_id, self.output_token_ids, self.output_logprobs, self.finish_reason = rid, [], [], "abort"
+        self.prompt_logprobs = []

@@ -135,9 +135,9 @@ def _stop(body: dict) -> list[str]:
     raise bad("'stop' must be a string or a list of strings", "stop")
 
 
-def _max_tokens(body: dict, names: tuple[str, ...]) -> int | None:
+def _max_tokens(body: dict, names: tuple[str, ...], least: int = 1) -> int | None:
     for name in names:
-        v = _field(body, name, (int,), check=lambda v: 1 <= v < 2**32, why="must be at least 1")
+        v = _field(body, name, (int,), check=lambda v: least <= v < 2**32, why=f"must be at least {least}")
         if v is not None:
             return v
     return None
@@ -246,14 +246,21 @@ class _Api:
     def _top(self, lp: common_pb2.TokenLogprobs) -> list[tuple[int, float]]:
         return sorted(zip(lp.token_ids, lp.logprobs), key=lambda x: -x[1])
 
-    def _completion_logprobs(self, m, offset: int) -> tuple[dict, int]:
+    def _completion_logprobs(self, token_ids, entries, offset: int) -> tuple[dict, int]:
+        """OpenAI's completion logprobs of `token_ids`, one TokenLogprobs (or None: no logprob, as for the first
+        prompt token) each; text offsets count on from `offset`. -inf is sent as -9999.0, as vLLM does (JSON has
+        no infinity)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid, lp in zip(m.token_ids, m.logprobs):
-            d = dict(zip(lp.token_ids, lp.logprobs))
+        for tid, lp in zip(token_ids, entries):
             s = self._token_str(tid)
             out["tokens"].append(s)
-            out["token_logprobs"].append(d.get(tid))
-            out["top_logprobs"].append({self._token_str(t): v for t, v in self._top(lp)})
+            if lp is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                v = dict(zip(lp.token_ids, lp.logprobs)).get(tid)
+                out["token_logprobs"].append(None if v is None else max(v, -9999.0))
+                out["top_logprobs"].append({self._token_str(t): max(v, -9999.0) for t, v in self._top(lp)})
             out["text_offset"].append(offset)
             offset += len(s)
         return out, offset
@@ -317,9 +324,11 @@ class _Api:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run(self, request, reqs, n: int, stream: bool, chunk_fn, final_fn, head: dict, include_usage: bool):
+    async def _run(self, request, reqs, n: int, stream: bool, chunk_fn, final_fn, head: dict, include_usage: bool,
+                   count_completion: bool = True):
         """Streams SSE chunks (`chunk_fn(i, m) -> dict | None`), or collects and returns `final_fn()`. The SSE
-        response starts with the first message, so an error before it (bad input) is still a plain HTTP error."""
+        response starts with the first message, so an error before it (bad input) is still a plain HTTP error.
+        `count_completion` False: the generated tokens are not returned (echo with max_tokens 0), usage counts 0."""
         resp = None
         usage = {"prompt": {}, "completion": {}}
 
@@ -330,7 +339,7 @@ class _Api:
             async with contextlib.aclosing(self._merged(reqs)) as msgs:
                 async for i, m in msgs:
                     usage["prompt"][i] = m.prompt_tokens
-                    usage["completion"][i] = m.completion_tokens
+                    usage["completion"][i] = m.completion_tokens if count_completion else 0
                     chunk = chunk_fn(i, m)
                     if not stream:
                         continue
@@ -365,17 +374,26 @@ class _Api:
     async def completions(self, request) -> web.StreamResponse:
         try:
             body = await self._body(request)
-            _unsupported(body, {"echo": (False,), "suffix": ("",), "logit_bias": ({},), "use_beam_search": (False,)})
+            _unsupported(body, {"suffix": ("",), "logit_bias": ({},), "use_beam_search": (False,)})
+            if body.get("prompt_logprobs") is not None:  # vLLM's extra field; the OpenAI way is supported
+                raise bad("'prompt_logprobs' is not supported by this server: 'echo': true with 'logprobs': N "
+                          "returns the prompt tokens' logprobs", "prompt_logprobs")
             if "prompt" not in body:
                 raise bad("'prompt' is required", "prompt")
             prompts = _prompts(body["prompt"])
+            echo = _field(body, "echo", (bool,), False)
             n = _field(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
             best_of = _field(body, "best_of", (int,), n)
             if best_of != n:
                 raise bad("'best_of' other than n is not supported", "best_of")
             logprobs = _field(body, "logprobs", (int,), None, lambda v: 0 <= v <= MAX_LOGPROBS,
                               f"must be in [0, {MAX_LOGPROBS}]")
-            sampling = _sampling(body, _max_tokens(body, ("max_tokens",)), logprobs)
+            # max_tokens 0 only with echo (the prompt alone, as vLLM): one token is generated and dropped
+            max_tokens = _max_tokens(body, ("max_tokens",), least=0 if echo else 1)
+            echo_only = echo and max_tokens == 0
+            sampling = _sampling(body, 1 if echo_only else max_tokens, logprobs)
+            if echo and logprobs is not None:  # echo with logprobs: the prompt tokens' logprobs come first
+                sampling.prompt_logprobs = logprobs
             stream = _field(body, "stream", (bool,), False)
             include_usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
             reqs = self._requests(body, prompts, sampling, n)
@@ -385,19 +403,30 @@ class _Api:
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         texts, reasons, lps, offsets = ([""] * len(reqs), [None] * len(reqs), [None] * len(reqs),
                                         [0] * len(reqs))
+        echoed = [not echo] * len(reqs)
 
         def chunk(i, m):
             reason = finish_reason_name(m.finish_reason)
+            text, ids, entries = m.text, list(m.token_ids), list(m.logprobs)
+            if echo_only:  # the generated token is not part of the answer; the prompt ends it by length
+                text, ids, entries = "", [], []
+                reason = reason if reason in (None, "abort") else "length"
+            if not echoed[i]:  # echo: the first chunk of a choice starts with its prompt (and its logprobs)
+                echoed[i] = True
+                text = self._prompt_text(prompts[i // n]) + text
+                # the prompt ids come with the prompt logprobs (None for the first token), when asked for
+                prompt_ids = list(m.prompt_token_ids)
+                ids, entries = prompt_ids + ids, [None, *m.prompt_logprobs][:len(prompt_ids)] + entries
             lp = None
             if logprobs is not None:
-                lp, offsets[i] = self._completion_logprobs(m, offsets[i])
+                lp, offsets[i] = self._completion_logprobs(ids, entries, offsets[i])
                 if lps[i] is None:
                     lps[i] = {k: [] for k in lp}
                 for k, v in lp.items():
                     lps[i][k].extend(v)
-            texts[i] += m.text
+            texts[i] += text
             reasons[i] = reason
-            return [dict(head, choices=[{"index": i, "text": m.text, "logprobs": lp, "finish_reason": reason,
+            return [dict(head, choices=[{"index": i, "text": text, "logprobs": lp, "finish_reason": reason,
                                           "stop_reason": None}])]
 
         def final(usage):
@@ -405,7 +434,14 @@ class _Api:
                 {"index": i, "text": texts[i], "logprobs": lps[i], "finish_reason": reasons[i], "stop_reason": None}
                 for i in range(len(reqs))])
 
-        return await self._run(request, reqs, n, stream, chunk, final, head, include_usage)
+        return await self._run(request, reqs, n, stream, chunk, final, head, include_usage,
+                               count_completion=not echo_only)
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        """The echoed prompt: as sent, or token ids decoded (special tokens kept, as vLLM echoes them)."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tok.decode(prompt, skip_special_tokens=False) if self.tok is not None else ""
 
     # -- /v1/chat/completions
     def _chat_prompt(self, body: dict) -> list[int]:
@@ -445,6 +481,11 @@ class _Api:
             _unsupported(body, {"tools": ([],), "tool_choice": ("none",), "logit_bias": ({},),
                                 "response_format": ({"type": "text"},), "use_beam_search": (False,)})
             ids = self._chat_prompt(body)
+            # vLLM's chat echo: the answer starts with the last message when that is the assistant's (continuing it)
+            last = body["messages"][-1]
+            echo = _field(body, "echo", (bool,), False) and last["role"] == "assistant"
+            content = (last.get("content") or "") if echo else ""
+            echo_text = "\n".join(p["text"] for p in content) if isinstance(content, list) else content
             n = _field(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
             want_lp = _field(body, "logprobs", (bool,), False)
             top_n = _field(body, "top_logprobs", (int,), 0, lambda v: 0 <= v <= MAX_LOGPROBS,
@@ -467,7 +508,7 @@ class _Api:
             return from_grpc(e).response()
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        texts, reasons, lps, started = [""] * n, [None] * n, [None] * n, [False] * n
+        texts, reasons, lps, started = [echo_text] * n, [None] * n, [None] * n, [False] * n
 
         def chunk(i, m):
             out = []
@@ -475,6 +516,9 @@ class _Api:
                 started[i] = True
                 out.append(dict(head, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]))
+                if echo_text:
+                    out.append(dict(head, choices=[{"index": i, "delta": {"content": echo_text}, "logprobs": None,
+                                                    "finish_reason": None}]))
             reason = finish_reason_name(m.finish_reason)
             lp = self._chat_logprobs(m, top_n) if want_lp else None
             if lp is not None:

@@ -131,6 +131,8 @@ class Router(router_pb2_grpc.TandemServicer):
             out.token_ids.extend(m.token_ids)
             out.text += m.text
             out.logprobs.extend(m.logprobs)
+            out.prompt_token_ids.extend(m.prompt_token_ids)
+            out.prompt_logprobs.extend(m.prompt_logprobs)
             out.finish_reason, out.prompt_tokens, out.completion_tokens = \
                 m.finish_reason, m.prompt_tokens, m.completion_tokens
         return out
@@ -184,6 +186,8 @@ class Router(router_pb2_grpc.TandemServicer):
             bad(f"sampling: {e}")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             bad(f"sampling: logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > MAX_LOGPROBS:
+            bad(f"sampling: prompt_logprobs must be at most {MAX_LOGPROBS}, got {params.prompt_logprobs}")
         if len(request.stop) > MAX_STOP_STRINGS or sum(len(x) for x in request.stop) > MAX_STOP_CHARS:
             bad(f"stop: at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all")
         if any(t >= self.cfg.vocab_size for t in params.stop_token_ids):
@@ -236,6 +240,9 @@ class Router(router_pb2_grpc.TandemServicer):
                 return
             lps = [first.first_logprobs] if params.logprobs is not None else []
             msg = message([first.first_token_id], lps, first.finish_reason, 1)
+            if params.prompt_logprobs is not None:  # the prompt's, on the first message only
+                msg.prompt_token_ids.extend(prompt)
+                msg.prompt_logprobs.extend(first.prompt_logprobs)
             if state.finished:  # the first token ended it: give the lease back
                 self._abort_on([state.decode], rid)
                 yield msg
@@ -268,7 +275,7 @@ class Router(router_pb2_grpc.TandemServicer):
                     state.decode.healthy = False
                     self._release_decode(state, abort=False)
                     rest = dataclasses.replace(params, max_tokens=params.max_tokens - n,
-                                               min_tokens=max(0, params.min_tokens - n))
+                                               min_tokens=max(0, params.min_tokens - n), prompt_logprobs=None)
                     lease, first = self._start(state, prompt + generated, rest, context)
                     if state.closed:
                         self._abort_on([state.decode], rid)

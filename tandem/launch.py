@@ -20,6 +20,8 @@ import time
 import torch
 
 from tandem.client import TandemClient
+from tandem.parallel import check_divisible
+from tandem.worker_setup import model_config
 
 START_TIMEOUT = 300.0
 
@@ -57,7 +59,8 @@ def _engine_argv(args) -> list[str]:
     argv = ["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--max-model-len",
             str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
-            "--num-speculative-tokens", str(args.num_speculative_tokens), "--log-level", args.log_level]
+            "--num-speculative-tokens", str(args.num_speculative_tokens), "--log-level", args.log_level,
+            "--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.num_kv_blocks:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.served_model_name:
@@ -65,6 +68,17 @@ def _engine_argv(args) -> list[str]:
     if args.emulated_acceptance:
         argv += ["--emulated-acceptance", args.emulated_acceptance]
     return argv
+
+
+def _worker_device(args, index: int, gpus: int) -> str:
+    """Worker `index`'s device (--device, else a GPU, else the CPU). Under tensor parallelism its ranks take
+    consecutive GPUs from there (`rank_device`): the workers go round robin over whole groups of GPUs."""
+    if args.device or not gpus:
+        return args.device or "cpu"
+    tp = args.tensor_parallel_size
+    if tp > gpus:
+        raise RuntimeError(f"--tensor-parallel-size {tp} needs {tp} GPUs per worker; this host has {gpus}")
+    return f"cuda:{(index % (gpus // tp)) * tp}"
 
 
 def _tls_argv(args) -> list[str]:
@@ -93,6 +107,11 @@ def serve(args) -> int:
     if args.decode_workers < 1 or args.prefill_workers < 0:
         print("error: --decode-workers must be at least 1 and --prefill-workers at least 0", file=sys.stderr)
         return 2
+    try:  # before any process starts: the worker would only fail in its model load
+        check_divisible(model_config(args.model), args.tensor_parallel_size)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     colocated = args.prefill_workers == 0
     if colocated and args.inject_fault:
         print("error: --inject-fault applies to prefill workers; there are none (--prefill-workers 0)",
@@ -108,7 +127,7 @@ def serve(args) -> int:
         workers = {"prefill": [], "decode": []}
         for role, n in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
             for i in range(n):
-                device = args.device or (f"cuda:{len(children) % gpus}" if gpus else "cpu")
+                device = _worker_device(args, len(children), gpus)
                 argv = [f"{role}-worker", *_engine_argv(args), "--device", device, "--host", args.host, "--port", "0",
                         "--worker-name", f"{role}-{i}", "--drain-timeout", str(args.drain_timeout),
                         *(["--metrics-port", "0"] if args.metrics else []), *_tls_argv(args)]

@@ -9,6 +9,9 @@
   in the same order. The other ranks (`_follower_main`) hold only their shard and its caches and replay what they
   are sent. Commands travel over a pipe per follower (an idle leader is fine; a dead one is EOF), tensors inside
   the model over the process group (gloo on the CPU, NCCL on CUDA).
+- Hand-offs (`tandem/cache/handoff.py`): rank 0 has the others gather their heads of a prompt's KV blocks and GDN
+  slot to it, or scatter them a received state's heads (`TPGroup.gather` / `scatter`, `Split.join` / `cut`), so
+  a hand-off carries the full model's state whatever the tensor-parallel size of either worker.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -44,6 +48,35 @@ class Split:
             offset += size
         return out
 
+    def cut(self, full: torch.Tensor, world: int) -> list[torch.Tensor]:
+        """Every rank's part of `full`, in rank order (each what `TPGroup.shard` keeps on that rank)."""
+        return [full] if world == 1 else [TPGroup(r, world).shard(full, self) for r in range(world)]
+
+    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's part (rank order): the inverse of `cut`."""
+        if len(parts) == 1:
+            return parts[0]
+        if self.segments is None:
+            return torch.cat(parts, self.dim)
+        pieces = [p.split([size // len(parts) for size in self.segments], self.dim) for p in parts]
+        return torch.cat([piece[i] for i in range(len(self.segments)) for piece in pieces], self.dim)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of `tensors` grouped by dtype (in a fixed order): each group travels as one flat buffer."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return [groups[dt] for dt in sorted(groups, key=str)]
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unpack(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like)]
+
 
 @dataclass(frozen=True, eq=False)
 class TPGroup:
@@ -68,6 +101,37 @@ class TPGroup:
                                                                           self.world_size)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, split.dim)
 
+    def gather(self, local: list[torch.Tensor]) -> list[list[torch.Tensor]] | None:
+        """Every rank calls it with its tensors (the same shapes and dtypes on every rank): rank 0 gets, per
+        tensor, every rank's one in rank order; the other ranks None. One collective per dtype."""
+        if self.world_size == 1:
+            return [[t] for t in local]
+        out = [[None] * self.world_size for _ in local]
+        for idx in _by_dtype(local):
+            flat = _pack([local[i] for i in idx])
+            parts = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == 0 else []
+            self.group.gather(parts, flat, 0).wait()
+            for r, part in enumerate(parts):
+                for i, t in zip(idx, _unpack(part, [local[i] for i in idx])):
+                    out[i][r] = t
+        return out if self.rank == 0 else None
+
+    def scatter(self, parts: list[list[torch.Tensor]] | None, like: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The inverse of `gather`: rank 0 calls it with, per tensor, every rank's one in rank order, the other
+        ranks with None; each rank gets its own. `like`: this rank's tensors of those shapes, dtypes and device
+        (their contents are not read; not needed on one rank)."""
+        if self.world_size == 1:
+            return [p[0] for p in parts]
+        out = [None] * len(like)
+        for idx in _by_dtype(like):
+            flat = torch.empty(sum(like[i].numel() for i in idx), dtype=like[idx[0]].dtype, device=like[idx[0]].device)
+            sent = [_pack([parts[i][r].to(flat.device) for i in idx]) for r in range(self.world_size)] \
+                if self.rank == 0 else []
+            self.group.scatter(flat, sent, 0).wait()
+            for i, t in zip(idx, _unpack(flat, [like[i] for i in idx])):
+                out[i] = t
+        return out
+
 
 SINGLE = TPGroup()
 
@@ -88,7 +152,12 @@ def check_divisible(cfg, world_size: int) -> None:
 
 
 def rank_device(device: str, rank: int) -> str:
-    return f"cuda:{rank}" if device == "cuda" else device
+    """Rank r's device: the r-th GPU from `device` ("cuda" is "cuda:0"; a serving worker on "cuda:2" with two
+    ranks uses cuda:2 and cuda:3), or the CPU."""
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.partition(":")[2] or 0)
+    return f"cuda:{first + rank}"
 
 
 def _process_group(store, rank: int, world: int, device: str, timeout: float):
@@ -244,6 +313,12 @@ class LeaderModel:
         self._followers.send("forward", batch)
         return _guard(self._followers, lambda: self._model(batch, caches))
 
+    def on_all_ranks(self, cmd: str, *args, here):
+        """Work in which every rank meets in collectives (a hand-off's state gather or scatter): the other ranks
+        are sent `cmd`, this one runs `here()`; returns what it returns."""
+        self._followers.send(cmd, *args)
+        return _guard(self._followers, here)
+
     def attach(self, pools) -> None:
         """The other ranks reset the same GDN state slots as rank 0's scheduler hands out."""
         local = pools.zero_slots
@@ -269,6 +344,8 @@ def launch(model: str, ecfg, seed: int, world_size: int, timeout: float = 120.0)
 
     ctx = mp.get_context("spawn")
     device = rank_device(ecfg.device, 0)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # NCCL's communicator and this rank's kernels on its own GPU
     # rank 0 hosts the rendezvous store on a free port
     store = dist.TCPStore("127.0.0.1", 0, world_size, True, timedelta(seconds=timeout), wait_for_workers=False)
     procs, conns = [], []
@@ -302,9 +379,13 @@ def launch(model: str, ecfg, seed: int, world_size: int, timeout: float = 120.0)
 
 
 def _follower_main(conn, model, ecfg, seed, rank, world_size, port, timeout):
+    from tandem.cache.handoff import gather_across_ranks, scatter_across_ranks
     from tandem.cache.pools import CachePools
     from tandem.engine.llm import load_model
 
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 decides when this rank stops (it finishes
+    # or drains its requests first), so the interrupt is its alone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         device = rank_device(ecfg.device, rank)
         if device.startswith("cuda"):
@@ -333,6 +414,10 @@ def _follower_main(conn, model, ecfg, seed, rank, world_size, port, timeout):
                     net.mtp(embeds, hidden, batch, net.inv_freq, pools.mtp_cache)
                 elif cmd == "zero_slots":
                     pools.zero_slots(args[0])
+                elif cmd == "gather_state":
+                    gather_across_ranks(cfg, pools, *args)
+                elif cmd == "scatter_state":
+                    scatter_across_ranks(cfg, pools, *args, None)
                 elif cmd == "stop":
                     # nothing to hand back: skip the interpreter's slow teardown of torch
                     conn.close()

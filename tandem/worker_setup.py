@@ -35,6 +35,9 @@ def add_engine_args(ap) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--num-speculative-tokens", type=int, default=2, help="MTP drafts per step (0: off)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (debugging)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks per worker, heads and experts split across them (processes of their own; on a GPU "
+                    "one per rank, from --device on; CUDA graphs are off under TP)")
     ap.add_argument("--emulated-acceptance", default=None,
                     help="benchmarks only: comma-separated acceptance probability per draft position")
 
@@ -64,6 +67,22 @@ def engine_config(args) -> EngineConfig:
                         if args.emulated_acceptance else None)
 
 
+def build_worker_model(args, ecfg: EngineConfig):
+    """The worker's model (cfg, model, model_dir): with --tensor-parallel-size N, ranks 1..N-1 are started as
+    processes of their own (`stop_worker_model` stops them; so does this process's exit)."""
+    from tandem.engine.llm import build_model
+
+    return build_model(args.model, ecfg, args.seed, args.tensor_parallel_size)
+
+
+def stop_worker_model(model) -> None:
+    """Stops the other tensor-parallel ranks (nothing to do on one rank)."""
+    from tandem.parallel import LeaderModel
+
+    if isinstance(model, LeaderModel):
+        model.shutdown()
+
+
 def prepare_engine(engine) -> None:
     """Before a worker serves: on a GPU, compile the prefill kernels and capture the decode graphs now, so the
     first requests do not wait for them."""
@@ -77,7 +96,8 @@ def model_config(model: str) -> ModelConfig:
 
 
 def fingerprint(args) -> str:
-    """Same on a prefill and a decode worker exactly when their caches mean the same thing."""
+    """Same on a prefill and a decode worker exactly when their caches mean the same thing. Not the
+    tensor-parallel size: hand-offs carry the full model's state whatever either side's (`tandem/cache/handoff.py`)."""
     from tandem.transfer.manifest import model_fingerprint
 
     if os.path.isdir(args.model):

@@ -54,7 +54,8 @@ def generate_requests(draw):
             ("seed", st.integers(-2**63, 2**63 - 1), st.just(0)),
             ("repetition_penalty", st.floats(0.5, 2), edge_floats), ("presence_penalty", st.floats(-2, 2), edge_floats),
             ("frequency_penalty", st.floats(-2, 2), edge_floats), ("logprobs", st.integers(0, 20), u32),
-            ("ignore_eos", st.booleans(), st.booleans()), ("min_tokens", st.integers(0, 4), u32)):
+            ("ignore_eos", st.booleans(), st.booleans()), ("min_tokens", st.integers(0, 4), u32),
+            ("prompt_logprobs", st.integers(0, 20), u32)):
         if draw(st.booleans()):
             setattr(s, name, draw(mostly(plausible, extreme)))
     if not s.HasField("max_tokens"):
@@ -104,6 +105,7 @@ plausible = {"prompt": st.one_of(st.lists(st.integers(-5, 600), max_size=40), st
 
 plausible.update({"temperature": st.floats(0, 2), "top_p": st.floats(0.1, 1), "seed": st.integers(0, 2**31),
                   "stop": st.lists(st.text(max_size=4), max_size=2), "logprobs": st.integers(0, 5),
+                  "echo": st.booleans(),
                   "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})})
 
 

@@ -22,6 +22,7 @@ from tandem.parallel import SINGLE, TPGroup
 class CachePools:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool = False, tp: TPGroup = SINGLE):
         dev, dt = ecfg.device, ecfg.dtype
+        self.tp = tp
         self.blocks = CountingAllocator(ecfg.num_kv_blocks, "kv blocks")
         self.slots = CountingAllocator(ecfg.num_state_slots + 1, "gdn state slots")
         n = tp.world_size

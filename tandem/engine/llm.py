@@ -28,6 +28,8 @@ from tandem.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
+PROMPT_LOGPROB_ROWS = 512  # prompt rows per full-vocab log_softmax (512 x a 248k vocab: 0.5 GB of fp32)
+
 
 def model_config(model: str) -> tuple[ModelConfig, str | None]:
     """The config of a checkpoint directory or a preset name; returns (cfg, model_dir or None)."""
@@ -46,6 +48,16 @@ def load_model(model: str, device: str, dtype: torch.dtype, seed: int = 0, tp: T
     if model_dir is not None:
         return cfg, load_checkpoint(model_dir, cfg, device, dtype, tp=tp), model_dir
     return cfg, random_model(cfg, device, dtype, seed, tp), None
+
+
+def build_model(model: str, ecfg: EngineConfig, seed: int = 0, tensor_parallel_size: int = 1):
+    """The model an engine runs: loaded here on one rank; with `tensor_parallel_size` > 1, ranks 1.. started as
+    processes of their own and this process's `LeaderModel` (its `shutdown()` stops them). Returns
+    (cfg, model, model_dir)."""
+    if tensor_parallel_size == 1:
+        return load_model(model, ecfg.device, ecfg.dtype, seed)
+    check_divisible(model_config(model)[0], tensor_parallel_size)  # before starting any process
+    return launch(model, ecfg, seed, tensor_parallel_size)
 
 
 def parse_speculative_config(spec: dict | None) -> int:
@@ -76,15 +88,14 @@ class Engine:
     A decode worker's engine takes requests through `reserve` + `install_prefilled` instead of `add_request`.
 
     Tensor parallelism: `model` is then rank 0's `LeaderModel`; this engine schedules and samples for all ranks,
-    and its pools hold rank 0's heads (the other ranks keep theirs, at the same block and slot numbers)."""
+    and its pools hold rank 0's heads (the other ranks keep theirs, at the same block and slot numbers). Hand-offs
+    gather and scatter every rank's heads, so the state in and out is the full model's (`tandem/cache/handoff.py`)."""
 
     def __init__(self, cfg: ModelConfig, model, ecfg: EngineConfig, prefill_only: bool = False):
         self.cfg, self.ecfg = cfg, ecfg
         if ecfg.num_speculative_tokens and not hasattr(model, "mtp"):
             raise ValueError("speculative decoding with MTP needs a model with an MTP head (mtp.* weights)")
         self.tp = getattr(model, "tp", SINGLE)
-        if self.tp.world_size > 1 and prefill_only:
-            raise NotImplementedError("disaggregated roles (prefill_only) are not built for tensor parallelism yet")
         self.pools = CachePools(cfg, ecfg, with_mtp=hasattr(model, "mtp"), tp=self.tp)
         if isinstance(model, LeaderModel):
             model.attach(self.pools)
@@ -145,8 +156,6 @@ class Engine:
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence | None:
         """Decode worker: holds a request's blocks and slots for its hand-off; None when they are not free now.
         Raises ValueError for a request that can never fit."""
-        if self.tp.world_size > 1:
-            raise NotImplementedError("hand-offs into a tensor-parallel engine are not built yet")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         if not self.scheduler.reserve(seq):
             return None
@@ -156,7 +165,7 @@ class Engine:
     def install_prefilled(self, seq: Sequence, first_token: int, first_logprob: dict | None, drafts: list[int],
                           state: dict[str, torch.Tensor], rng_state: torch.Tensor | None) -> None:
         """Decode worker: the reserved request continues from a prefill worker's state as if prefilled here."""
-        scatter_state(self.cfg, self.pools, seq, state, self.ecfg.block_size)
+        scatter_state(self.cfg, self.pools, seq, state, self.ecfg.block_size, self.runner.model)
         seq.num_computed = len(seq.prompt_token_ids)
         seq.output_token_ids = [first_token]
         seq.output_logprobs = [first_logprob] if first_logprob is not None else []
@@ -174,7 +183,8 @@ class Engine:
         out = []
         for seq in [s for s in self.scheduler.running if not s.in_prefill]:
             gen = self.generators.get(seq.request_id)
-            out.append(PrefilledRequest(seq, gather_state(self.cfg, self.pools, seq, self.ecfg.block_size),
+            out.append(PrefilledRequest(seq, gather_state(self.cfg, self.pools, seq, self.ecfg.block_size,
+                                                          self.runner.model),
                                         gen.get_state() if gen is not None else None))
             self._finish(seq, "handoff")
         return out
@@ -221,6 +231,8 @@ class Engine:
         k, model = self.ecfg.num_speculative_tokens, self.runner.model
         batch, hidden = self.runner.forward(chunks)
         qsl = batch.query_start_loc_cpu
+        if any(c.seq.params.prompt_logprobs is not None for c in chunks):
+            self._prompt_logprobs(chunks, hidden, qsl)
         done = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
         if done:
             tokens, lps = sample(model.compute_logits(hidden[[qsl[i + 1] - 1 for i in done]]),
@@ -245,6 +257,36 @@ class Engine:
             for (seq, _, _), d in zip(items, draft(model, self.runner, self.pools, items, hidden[rows], drafting, k)):
                 seq.drafts = d
         return finished
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, chunks, hidden: torch.Tensor, qsl: list[int]) -> None:
+        """Prompt logprobs of the chunks whose requests ask for them: row r's logits give the logprob of prompt
+        token r + 1 (the last prompt row's logits sample the first output token instead, as for everyone). Only
+        these rows get logits, PROMPT_LOGPROB_ROWS at a time to bound the [rows, vocab] buffers."""
+        rows, targets, owners = [], [], []
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            if seq.params.prompt_logprobs is None:
+                continue
+            first_pos = seq.num_computed - c.num_tokens
+            if first_pos == 0:
+                seq.prompt_logprobs = [None]  # nothing comes before the first prompt token
+            nxt = seq.prompt_token_ids[first_pos + 1 : first_pos + c.num_tokens + 1]
+            rows.extend(range(qsl[i], qsl[i] + len(nxt)))
+            targets.extend(nxt)
+            owners.extend([seq] * len(nxt))
+        model = self.runner.model
+        for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            idx, tgt, own = (x[s : s + PROMPT_LOGPROB_ROWS] for x in (rows, targets, owners))
+            lp = model.compute_logits(hidden[idx]).log_softmax(-1)
+            chosen = lp.gather(1, torch.tensor(tgt, device=lp.device)[:, None])[:, 0].tolist()
+            n_max = max(seq.params.prompt_logprobs for seq in own)
+            top_v, top_i = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0].long())
+            for seq, tok, v, tv, ti in zip(own, tgt, chosen, top_v.tolist(), top_i.tolist()):
+                n = seq.params.prompt_logprobs
+                d = dict(zip(ti[:n], tv[:n]))
+                d[tok] = v
+                seq.prompt_logprobs.append(d)
 
     def _decode(self, chunks) -> list[Sequence]:
         """Decode requests, each at its last token plus its drafts: every row is sampled in one batch (row j of a
@@ -340,6 +382,9 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    # SamplingParams.prompt_logprobs set: per prompt position, None for the first, else {token id: logprob} of
+    # the top-n tokens and the prompt token (as vLLM's RequestOutput.prompt_logprobs, with floats for Logprob)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -358,11 +403,7 @@ class LLM:
                             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
                             num_speculative_tokens=parse_speculative_config(speculative_config),
                             emulated_acceptance=emulated_acceptance, cuda_graphs=cuda_graphs)
-        if tensor_parallel_size == 1:
-            cfg, net, model_dir = load_model(model, device, ecfg.dtype, seed)
-        else:
-            check_divisible(model_config(model)[0], tensor_parallel_size)  # before starting any process
-            cfg, net, model_dir = launch(model, ecfg, seed, tensor_parallel_size)
+        cfg, net, model_dir = build_model(model, ecfg, seed, tensor_parallel_size)
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = Engine(cfg, net, ecfg)
         self._ids = itertools.count()
@@ -416,4 +457,5 @@ class LLM:
         lps = s.output_logprobs if s.params.logprobs is not None else None
         return RequestOutput(s.request_id, s.prompt_token_ids,
                              [CompletionOutput(0, list(s.output_token_ids), text, s.finish_reason, lps,
-                                               emulated=self.engine.ecfg.emulated_acceptance is not None)])
+                                               emulated=self.engine.ecfg.emulated_acceptance is not None)],
+                             list(s.prompt_logprobs) if s.params.prompt_logprobs is not None else None)

@@ -13,6 +13,8 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 
+import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -64,6 +66,9 @@ class EngineLoop:
                 fut.set_exception(e)
 
     def _run(self) -> None:
+        device = torch.device(getattr(getattr(self.engine, "ecfg", None), "device", "cpu"))
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # per thread: kernels and collectives of a worker on cuda:i run there
         while True:
             with self._cond:
                 if self._stopped:

@@ -17,6 +17,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top-n logprobs per generated token
+    # top-n logprobs per prompt token after the first, plus the prompt token's own (vLLM's prompt_logprobs)
+    prompt_logprobs: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -37,6 +39,8 @@ class SamplingParams:
         check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
               f"logprobs must be a non-negative integer, got {self.logprobs}")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+              f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs}")
         check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
               f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative ints")

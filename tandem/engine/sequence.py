@@ -24,6 +24,9 @@ class Sequence:
     eos_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs set: one entry per prompt position computed so far, None for position 0 (vLLM's
+    # layout); each dict holds the top-n tokens' logprobs and the prompt token's own
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV/state is in the cache
     block_ids: list[int] = field(default_factory=list)
     # GDN state slots: 1 without speculation, 1 + k with; the state after row j of a step lands in

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\x8b\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x15\n\x08logprobs\x18\n \x01(\rH\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xd5\x01\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x03 \x01(\x04\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\r\x12\x18\n\x10\x66ree_state_slots\x18\x06 \x01(\r\x12\x19\n\x11total_state_slots\x18\x07 \x01(\r\x12\x15\n\ractive_leases\x18\x08 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xbd\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x15\n\x08logprobs\x18\n \x01(\rH\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xd5\x01\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x03 \x01(\x04\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\r\x12\x18\n\x10\x66ree_state_slots\x18\x06 \x01(\r\x12\x19\n\x11total_state_slots\x18\x07 \x01(\r\x12\x15\n\ractive_leases\x18\x08 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=705
-  _globals['_FINISHREASON']._serialized_end=825
+  _globals['_FINISHREASON']._serialized_start=755
+  _globals['_FINISHREASON']._serialized_end=875
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=433
-  _globals['_TOKENLOGPROBS']._serialized_start=435
-  _globals['_TOKENLOGPROBS']._serialized_end=487
-  _globals['_LOAD']._serialized_start=490
-  _globals['_LOAD']._serialized_end=703
+  _globals['_SAMPLINGPARAMS']._serialized_end=483
+  _globals['_TOKENLOGPROBS']._serialized_start=485
+  _globals['_TOKENLOGPROBS']._serialized_end=537
+  _globals['_LOAD']._serialized_start=540
+  _globals['_LOAD']._serialized_end=753
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,8 @@ def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         min_p=m.min_p, seed=m.seed if m.HasField("seed") else None, repetition_penalty=opt("repetition_penalty"),
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         logprobs=m.logprobs if m.HasField("logprobs") else None, stop_token_ids=list(m.stop_token_ids),
-        ignore_eos=m.ignore_eos, min_tokens=m.min_tokens)
+        ignore_eos=m.ignore_eos, min_tokens=m.min_tokens,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None)
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -37,12 +38,20 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
     return m
 
 
 def logprobs_to_proto(d: dict[int, float] | None) -> common_pb2.TokenLogprobs:
     d = d or {}
     return common_pb2.TokenLogprobs(token_ids=list(d), logprobs=list(d.values()))
+
+
+def prompt_logprobs_to_proto(entries: list[dict[int, float] | None]) -> list[common_pb2.TokenLogprobs]:
+    """A sequence's `prompt_logprobs` (None first, then a dict per prompt token; empty when not asked for) as the
+    wire carries them: one entry per prompt token after the first."""
+    return [logprobs_to_proto(d) for d in entries[1:]]
 
 
 FINISH_REASON_NAMES = {code: name for name, code in FINISH_REASONS.items()}
