@@ -44,4 +44,4 @@ def main(args) -> int:
              metrics=metrics_address)
     serve_until_signalled(server, worker, args.drain_timeout)
     stop_worker_model(model)
-    return 0
+    return 1 if worker.loop.fatal_error else 0  # a supervisor restarts a worker that could not go on

@@ -194,7 +194,7 @@ def _recv(conn):
 
 
 class TensorParallelError(RuntimeError):
-    pass
+    fatal = True  # a lost rank cannot come back inside this process: a serving worker exits (EngineLoop)
 
 
 def _cpu_threads(world_size: int) -> int:

@@ -9,6 +9,7 @@ The model is the trained tandem-tiny (2 KV heads, 2 GDN key / 4 value heads, 16 
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import psutil
 import pytest
 import torch
@@ -209,3 +210,29 @@ def test_two_rank_prefill_worker_hands_off_to_one_rank_decode_worker(oracle):
         _stop_all(children, drain_timeout=5)
     assert [c.proc.returncode for c in children] == [0, 0, 0]
     assert_gone(ranks)
+
+
+def test_a_lost_rank_ends_the_worker_so_it_can_be_restarted():
+    """kill -9 of a decode worker's follower rank: the next request fails with an error (no hang) and the worker
+    exits non-zero, for a supervisor (tandem serve --restart-workers, Kubernetes) to start it again."""
+    deadline = time.monotonic() + 120
+    children = []
+    try:
+        children.append(Child("decode", ["decode-worker", *ENGINE, *COMMON, "--transfer-port", "0",
+                                          "--tensor-parallel-size", "2"]))
+        decode = children[0].wait_announced(deadline)["grpc"]
+        router = start_router(decode=decode)  # colocated: the decode worker prefills
+        children.append(router)
+        (rank,) = followers_of([children[0].proc.pid])
+        with TandemClient(router.wait_announced(deadline)["grpc"]) as client:
+            client.wait_ready(60)
+            prompts, params = workload()
+            assert client.generate_unary(prompts[0], params[0], timeout=60).token_ids  # serving before the loss
+            rank.kill()
+            assert_gone([rank])
+            with pytest.raises(grpc.RpcError):
+                client.generate_unary(prompts[1], params[1], timeout=60)
+        children[0].proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        assert children[0].proc.returncode == 1
+    finally:
+        _stop_all(children, drain_timeout=5)

@@ -9,6 +9,8 @@ of hanging, and the loop goes on.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -26,6 +28,7 @@ class EngineLoop:
         self._calls: deque[tuple[Future, callable]] = deque()
         self._cond = threading.Condition()
         self._stopped = False
+        self.fatal_error: Exception | None = None  # set when a step failed in a way the engine cannot survive
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> "EngineLoop":
@@ -87,6 +90,13 @@ class EngineLoop:
             except Exception as e:
                 log.exception("engine step failed")
                 self._on_error(e, active)
+                if getattr(e, "fatal", False):  # e.g. a lost tensor-parallel rank: stop serving, let it restart
+                    self.fatal_error = e
+                    with self._cond:
+                        self._stopped = True
+                    log.critical("the engine cannot continue (%s); shutting this worker down", e)
+                    os.kill(os.getpid(), signal.SIGTERM)  # the worker's main thread drains and exits non-zero
+                    break
                 continue
             self._after_step(active, finished)
         # fail what is still queued so no caller waits forever
