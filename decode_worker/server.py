@@ -24,7 +24,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, InvalidStateError
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,7 +34,7 @@ from tandem.engine.loop import EngineLoop
 from tandem.engine.sequence import Sequence, Status
 from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
-from tandem.rpc.server import on_end, time_left
+from tandem.rpc.server import on_end, time_left, wait_result
 from tandem.rpc.convert import (finish_reason_to_proto, load_of, logprobs_to_proto, prompt_logprobs_to_proto,
                                 sampling_from_proto)
 from tandem.transfer.base import TransferServer
@@ -189,13 +188,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         except TimeoutError:
             self._abort(rec.seq.request_id)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not take the request in time")
-        while True:
-            try:
-                out = rec.first.result(timeout=0.5)
-                break
-            except FutureTimeout:
-                if not context.is_active():
-                    context.abort(grpc.StatusCode.CANCELLED, "the prefill was cancelled")
+        out = wait_result(rec.first, context, "the prefill")
         if out.error is not None:
             context.abort(*out.error)
         resp = worker_pb2.PrefillResponse(first_token_id=out.token_ids[0] if out.token_ids else 0,

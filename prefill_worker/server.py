@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
@@ -21,7 +20,7 @@ from tandem.engine.llm import PrefilledRequest
 from tandem.engine.loop import EngineLoop
 from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
-from tandem.rpc.server import on_end, time_left
+from tandem.rpc.server import on_end, time_left, wait_result
 from tandem.rpc.convert import (finish_reason_to_proto, load_of, logprobs_to_proto, prompt_logprobs_to_proto,
                                 sampling_from_proto)
 from tandem.transfer.base import TransferClient
@@ -81,7 +80,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             on_end(context, lambda: self._abort(rid))  # a cancelled or timed-out RPC frees the request
-            result = self._wait(done, context)
+            result = wait_result(done, context, "the prefill")
         finally:
             with self._lock:
                 self._pending.pop(rid, None)
@@ -102,14 +101,6 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         return load_of(self.engine, queued_prompt_tokens=self._queued_tokens)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
-    def _wait(self, done: Future, context):
-        while True:
-            try:
-                return done.result(timeout=0.5)
-            except FutureTimeout:
-                if not context.is_active():
-                    context.abort(grpc.StatusCode.CANCELLED, "the prefill was cancelled")
-
     def _abort(self, rid: str) -> bool:
         with self._lock:
             found = rid in self._pending

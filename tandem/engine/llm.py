@@ -16,7 +16,7 @@ from tandem.cache.pools import CachePools
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.runner import ModelRunner
 from tandem.engine.graphs import DecodeGraphs
-from tandem.engine.sampler import draw_noise, sample
+from tandem.engine.sampler import draw_noise, sample, top_logprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec import SpecStats, VerifyRow, draft
@@ -279,13 +279,7 @@ class Engine:
         for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
             idx, tgt, own = (x[s : s + PROMPT_LOGPROB_ROWS] for x in (rows, targets, owners))
             lp = model.compute_logits(hidden[idx]).log_softmax(-1)
-            chosen = lp.gather(1, torch.tensor(tgt, device=lp.device)[:, None])[:, 0].tolist()
-            n_max = max(seq.params.prompt_logprobs for seq in own)
-            top_v, top_i = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0].long())
-            for seq, tok, v, tv, ti in zip(own, tgt, chosen, top_v.tolist(), top_i.tolist()):
-                n = seq.params.prompt_logprobs
-                d = dict(zip(ti[:n], tv[:n]))
-                d[tok] = v
+            for seq, d in zip(own, top_logprobs(lp, tgt, [seq.params.prompt_logprobs for seq in own])):
                 seq.prompt_logprobs.append(d)
 
     def _decode(self, chunks) -> list[Sequence]:

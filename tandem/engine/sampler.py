@@ -90,15 +90,24 @@ def logprob_dicts(logprobs: torch.Tensor | None, tokens: torch.Tensor, seqs) -> 
     """Per row: the top-n tokens' logprobs plus the sampled token's (as vLLM returns them)."""
     if logprobs is None:
         return [None] * len(seqs)
-    out = []
-    for i, s in enumerate(seqs):
-        n = s.params.logprobs
-        if n is None:
-            out.append(None)
-            continue
-        top_v, top_i = logprobs[i].topk(n) if n else (logprobs[i, :0], logprobs[i, :0].long())
-        d = dict(zip(top_i.tolist(), top_v.tolist()))
-        tok = int(tokens[i])
-        d[tok] = float(logprobs[i, tok])
-        out.append(d)
+    return top_logprobs(logprobs, tokens, [s.params.logprobs for s in seqs])
+
+
+def top_logprobs(logprobs: torch.Tensor, tokens, ns: list[int | None]) -> list[dict | None]:
+    """logprobs [R, V], tokens [R] -> per row {token id: logprob} of its top ns[r] tokens plus tokens[r] (None
+    where ns[r] is None). One top-k and one gather over all rows, one copy each to the host."""
+    rows = [r for r, n in enumerate(ns) if n is not None]
+    out: list[dict | None] = [None] * len(ns)
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logprobs.device)
+    lp = logprobs.index_select(0, idx)
+    tok = torch.as_tensor(tokens, device=logprobs.device).index_select(0, idx)
+    chosen = lp.gather(1, tok[:, None])[:, 0].tolist()
+    n_max = max(ns[r] for r in rows)
+    top_v, top_i = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0].long())
+    for r, t, v, tv, ti in zip(rows, tok.tolist(), chosen, top_v.tolist(), top_i.tolist()):
+        d = dict(zip(ti[: ns[r]], tv[: ns[r]]))
+        d[t] = v
+        out[r] = d
     return out

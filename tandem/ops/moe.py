@@ -237,10 +237,6 @@ def _fused_experts_torch(x, gate_up, down, weights, experts):
 
 # ---------------------------------------------------------------------------------------------------- triton
 
-def route_triton(x, router_weight, top_k, renormalize):
-    return route_logits_triton(F.linear(x, router_weight), top_k, renormalize)
-
-
 def route_logits_triton(logits, top_k, renormalize):
     T, E = logits.shape
     weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)

@@ -100,6 +100,17 @@ def time_left(context, cap: float | None = None) -> float | None:
     return remaining if cap is None else min(cap, remaining)
 
 
+def wait_result(future, context, what: str = "the call"):
+    """The future's result, polled so that a caller who went away (cancelled, or past its deadline) ends the wait
+    with CANCELLED instead of leaving this handler thread blocked."""
+    while True:
+        try:
+            return future.result(timeout=0.5)
+        except futures.TimeoutError:
+            if not context.is_active():
+                context.abort(grpc.StatusCode.CANCELLED, f"{what} was cancelled")
+
+
 def on_end(context, fn) -> None:
     """Runs `fn` when the RPC ends however it ends; at once when it has already ended (a client that cancelled
     before the handler got this far), where grpc would silently drop the callback."""
