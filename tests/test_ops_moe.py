@@ -40,13 +40,33 @@ def run(x, gate_up, down, weights, experts, **kw):
     return out
 
 
+GARBAGE = -7  # what the kernel's output buffers hold before it runs, in check_align
+
+
 def check_align(experts, E, block_m, use_kernel):
-    sorted_ids, block_expert, total = moe.moe_align(experts, E, block_m, use_kernel)
+    """The layout's invariants over [0, total) and the first total / block_m blocks (the kernel leaves the rest
+    unwritten: the GEMM kernels never read it). The kernel fills buffers pre-filled with GARBAGE, so a slot it
+    should have written shows, and must match the torch path exactly where the result is read."""
+    out = None
+    if use_kernel:
+        p_max = moe.padded_size(experts.numel(), E, block_m)
+        out = tuple(torch.full((size,), GARBAGE, dtype=torch.int32, device=experts.device)
+                    for size in (p_max, p_max // block_m, 1))
+    sorted_ids, block_expert, total = moe.moe_align(experts, E, block_m, use_kernel, out=out)
+    if out is not None:
+        assert all(a is b for a, b in zip((sorted_ids, block_expert, total), out))
     flat = experts.reshape(-1).cpu()
     n, tot = flat.numel(), int(total)
     counts = torch.bincount(flat, minlength=E)
     assert tot == int(((counts + block_m - 1) // block_m * block_m).sum()) and tot <= sorted_ids.numel()
     ids, owners = sorted_ids[:tot].cpu().long(), block_expert[: tot // block_m].cpu().long()
+    assert (ids != GARBAGE).all() and (owners != GARBAGE).all(), "a slot before total was not written"
+    assert ((owners >= 0) & (owners < E)).all() and (owners.diff() >= 0).all()  # blocks in expert order
+    if use_kernel:  # the same layout as the torch path where the GEMMs read it
+        ref_ids, ref_owners, ref_total = moe.moe_align(experts, E, block_m, use_kernel=False)
+        assert int(ref_total) == tot
+        assert torch.equal(ids, ref_ids[:tot].cpu().long())
+        assert torch.equal(owners, ref_owners[: tot // block_m].cpu().long())
     real = ids[ids < n]
     assert (ids[ids >= n] == n).all()
     assert sorted(real.tolist()) == list(range(n))  # every pair exactly once
@@ -56,7 +76,8 @@ def check_align(experts, E, block_m, use_kernel):
         assert (mine.diff() > 0).all()
 
 
-CPU_CASES = [(T, E, k) for T in (1, 5, 37) for E in (8, 16) for k in (2, 4)]
+# plus expert counts that are not powers of two, one with top_k 1 and fewer pairs than experts
+CPU_CASES = [(T, E, k) for T in (1, 5, 37) for E in (8, 16) for k in (2, 4)] + [(9, 12, 3), (3, 40, 1)]
 
 
 @pytest.mark.parametrize("T,E,top_k", CPU_CASES)
@@ -93,15 +114,55 @@ def test_fused_experts_skewed_cpu_interpreter(pattern):
 
 
 def test_align_many_chunks_cpu_interpreter():
-    """More pairs than one align chunk and more blocks than one block chunk, a non-power-of-two expert count."""
+    """A non-power-of-two expert count (40, E_P2 64: histogram chunks of 256 pairs) with 600 pairs: several
+    histogram chunks and rank chunks (256), and one expert owning more blocks than one block chunk (32)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter case runs where there is no GPU")
     g = torch.Generator().manual_seed(3)
-    experts = torch.stack([torch.randperm(12, generator=g)[:3] for _ in range(70)])
-    experts[:40, 0] = 5
+    experts = torch.stack([torch.randperm(40, generator=g)[:8] for _ in range(75)])
+    experts[:, :3] = 5  # 225 pairs on expert 5: 57 blocks of 4
     for bm in (4, 16):
         for use_kernel in (True, False):
-            check_align(experts, 12, bm, use_kernel)
+            check_align(experts, 40, bm, use_kernel)
+
+
+def align_case(pattern, E, seed=0):
+    """experts [T, top_k] for the align tests; one_pair, fewer_pairs, one_expert and even_only leave experts empty."""
+    g = torch.Generator().manual_seed(seed)
+    if pattern == "random":  # 100 pairs, 4 distinct experts per token
+        return torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(25)])
+    if pattern == "spread":  # every expert gets pairs, unevenly
+        return torch.cat([torch.arange(E), torch.randint(0, E, (2 * E,), generator=g)]).view(-1, 1)
+    if pattern == "one_pair":  # N = 1, on the last expert
+        return torch.tensor([[E - 1]])
+    if pattern == "fewer_pairs":  # N = 4 < E
+        return torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(2)])
+    if pattern == "one_expert":  # all 90 pairs on one expert
+        return torch.full((30, 3), E // 2)
+    if pattern == "even_only":  # odd experts empty, repeats within a token
+        return torch.randint(0, (E + 1) // 2, (20, 4), generator=g) * 2
+    raise ValueError(pattern)
+
+
+ALIGN_PATTERNS = ["random", "spread", "one_pair", "fewer_pairs", "one_expert", "even_only"]
+
+
+@pytest.mark.parametrize("E", [6, 16, 40])
+@pytest.mark.parametrize("pattern", ALIGN_PATTERNS)
+def test_align_kernel_cpu_interpreter(pattern, E):
+    """The one-program-per-expert kernel against the torch path over block_m 16, 32, 64: E not a power of two,
+    fewer pairs than experts, a single pair, everything on one expert, experts with no pairs."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter case runs where there is no GPU")
+    experts = align_case(pattern, E, seed=E)
+    for bm in (16, 32, 64):
+        for use_kernel in (True, False):
+            check_align(experts, E, bm, use_kernel)
+
+
+def test_align_no_pairs_cpu_interpreter():
+    sorted_ids, block_expert, total = moe.moe_align(torch.zeros(0, 2, dtype=torch.long), 6, 16, use_kernel=True)
+    assert int(total) == 0 and sorted_ids.numel() == 0 and block_expert.numel() == 0
 
 
 @pytest.mark.parametrize("E,top_k,renorm", [(8, 2, True), (16, 4, False), (12, 3, True)])
@@ -159,6 +220,36 @@ def test_fused_experts_gpu(T):
     bf16_check(run(x, gate_up, down, weights, experts), ref)
     for use_kernel in (True, False):
         check_align(experts, REAL["E"], 16, use_kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ALIGN_PATTERNS)
+def test_align_gpu(pattern):
+    """The compiled align kernel against the torch path at the decode size (E 256, 768 pairs) and a small E that
+    is not a power of two, over block_m 16, 32, 64; prints the align times (kernel vs sort-based torch)."""
+    g = torch.Generator().manual_seed(5)
+    cases = [(align_case(pattern, 40, seed=1), 40)]
+    if pattern == "random":  # 96 tokens x 8 distinct experts: 768 pairs
+        cases.append((torch.stack([torch.randperm(256, generator=g)[:8] for _ in range(96)]), 256))
+    else:
+        cases.append((align_case(pattern, 256, seed=2), 256))
+    for experts, E in cases:
+        experts = experts.cuda()
+        for bm in (16, 32, 64):
+            for use_kernel in (True, False):
+                check_align(experts, E, bm, use_kernel)
+    experts = cases[-1][0].cuda()
+    for use_kernel in (True, False):
+        for _ in range(3):
+            moe.moe_align(experts, 256, 16, use_kernel)
+        torch.cuda.synchronize()
+        n = 50
+        t0 = time.perf_counter()
+        for _ in range(n):
+            moe.moe_align(experts, 256, 16, use_kernel)
+        torch.cuda.synchronize()
+        print(f"align {pattern} N={experts.numel()} E=256 kernel={use_kernel}: "
+              f"{(time.perf_counter() - t0) / n * 1e6:.1f} us")
 
 
 @pytest.mark.gpu

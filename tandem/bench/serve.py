@@ -50,6 +50,9 @@ def add_args(ap) -> None:
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--sweep-concurrency", default=None,
                     help="comma-separated max-concurrency values: one run each, plus a throughput plot")
+    ap.add_argument("--prompts-per-concurrency", type=int, default=None,
+                    help="send this many prompts per unit of concurrency (at most --num-prompts), so each level "
+                         "of a sweep runs a similar number of rounds")
     ap.add_argument("--num-warmups", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -303,7 +306,8 @@ async def _amain(args) -> list[dict]:
             print(f"Burstiness factor: {args.burstiness} "
                   f"({'Poisson process' if args.burstiness == 1.0 else 'Gamma distribution'})")
             print(f"Maximum request concurrency: {conc}")
-            outputs, duration, spec = await run_once(backend, requests, settings, args.request_rate,
+            batch = requests[:args.prompts_per_concurrency * (conc or 1)] if args.prompts_per_concurrency else requests
+            outputs, duration, spec = await run_once(backend, batch, settings, args.request_rate,
                                                      args.burstiness, conc, args.num_warmups, args.seed, spec_urls,
                                                      args.disable_tqdm)
             res = result_dict(args, info, outputs, duration, spec, conc, percentiles)

@@ -12,8 +12,12 @@ CUDA graph:
    is padded up to a multiple of BLOCK_M with the sentinel T*top_k. It yields `sorted_ids [P_max]` (pair indices,
    sentinel in the padding), `block_expert [P_max / BLOCK_M]` (the expert of each block) and `total [1]` (the
    padded count). P_max = T*top_k + min(E, T*top_k) * (BLOCK_M - 1), rounded up to BLOCK_M, is the worst case and
-   known on the host; blocks at or past `total` exit at once. Small batches use one Triton program (one launch);
-   large ones use sort-based torch ops (also sync-free; launch count does not matter at prefill sizes).
+   known on the host; blocks at or past `total` exit at once (so the align leaves them unwritten). Small batches
+   use one Triton launch of one program per expert: each program builds the histogram of all experts itself
+   (replicated, so no second launch and no atomics), takes its own expert's padded start from it, ranks its
+   own expert's pairs in pair order (deterministic) and writes its own segment, padding and block entries;
+   program 0 writes `total`. Large batches use sort-based torch ops with the same layout (also sync-free;
+   launch count does not matter at prefill sizes).
 3. `_moe_gate_up_kernel`: a grouped GEMM over (block, I tile): gathers the block's token rows of x, multiplies by
    the block's expert's gate and up rows (two fp32 accumulators) and writes SiLU(gate) * up to `inter [P_max, I]`.
    Only experts that received tokens own blocks, so at decode only the routed experts' weights are read.
@@ -27,7 +31,8 @@ import torch.nn.functional as F
 
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
-# Up to this many (token, slot) pairs the align step is a single Triton program; above it, sort-based torch ops.
+# Up to this many (token, slot) pairs the align step is one Triton launch (a program per expert, each of which
+# recounts all the pairs); above it, sort-based torch ops.
 ALIGN_TRITON_MAX_PAIRS = 1024
 
 if HAS_TRITON:
@@ -61,12 +66,19 @@ if HAS_TRITON:
         tl.store(e_out_ptr + t * TOP_K + ks, top_e, mask=ks < TOP_K)
 
     @triton.jit
-    def _moe_align_kernel(experts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, NUM_BLOCKS,
-                          E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, B_CHUNK: tl.constexpr):
-        """One program. Pass 1 counts pairs per expert; pass 2 gives each pair its slot: its expert's padded start
-        plus its rank among the earlier pairs of that expert (one-hot cumsum within a chunk, running count across
-        chunks). Ranks follow pair order, so the layout is deterministic. Sizes are runtime arguments: one
+    def _moe_align_kernel(experts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, E_P2: tl.constexpr,
+                          BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, RANK_CHUNK: tl.constexpr,
+                          B_CHUNK: tl.constexpr):
+        """One program per expert (grid (E,)), all in one launch. Each program counts the pairs of every expert
+        itself (the histogram is replicated, not shared: no second launch, no atomics), takes its own expert's
+        padded start from the padded counts of the experts before it, then walks the pairs again for its own
+        expert only: a pair's rank is the exclusive cumsum of the expert's mask within the chunk plus the running
+        count across chunks, so within an expert pairs follow pair order (deterministic, the same layout as
+        `_moe_align_torch`). It fills its own segment's padding with the sentinel N and its own blocks'
+        block_expert entries; program 0 stores `total`. Blocks at or past `total` are written by no program: the
+        GEMM kernels return before reading them (pid_m * BLOCK_M >= total). Sizes are runtime arguments: one
         compilation serves every batch size."""
+        me = tl.program_id(0)
         ex = tl.arange(0, E_P2)
         # while loops: the interpreter cannot take a runtime value as a range() bound
         counts = tl.zeros([E_P2], tl.int32)
@@ -76,31 +88,33 @@ if HAS_TRITON:
             e = tl.load(experts_ptr + i, mask=i < N, other=-1).to(tl.int32)
             counts += tl.sum((e[:, None] == ex[None, :]).to(tl.int32), axis=0)
             c += CHUNK
+        # columns past E (E need not be a power of two) count nothing, as expert ids are < E: their padded
+        # counts are 0 and they add nothing to a start or to total; no program owns them (grid (E,))
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        ends = tl.cumsum(padded, axis=0)
-        starts = ends - padded
-        tl.store(total_ptr, tl.sum(padded, axis=0))
-        seen = starts
+        start = tl.sum(tl.where(ex < me, padded, 0), axis=0)
+        count = tl.sum(tl.where(ex == me, counts, 0), axis=0)
+        my_padded = tl.sum(tl.where(ex == me, padded, 0), axis=0)
+        if me == 0:
+            tl.store(total_ptr, tl.sum(padded, axis=0))
+        seen = start
         c = 0
         while c < N:
-            i = c + tl.arange(0, CHUNK)
-            m = i < N
-            e = tl.load(experts_ptr + i, mask=m, other=-1).to(tl.int32)
-            onehot = (e[:, None] == ex[None, :]).to(tl.int32)
-            before = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]
-            slot = tl.sum(before * onehot, axis=1)
-            tl.store(sorted_ptr + slot, i, mask=m)
-            seen += tl.sum(onehot, axis=0)
-            c += CHUNK
-        # the padding of each expert's segment holds the sentinel N
+            i = c + tl.arange(0, RANK_CHUNK)
+            e = tl.load(experts_ptr + i, mask=i < N, other=-1).to(tl.int32)
+            hit = (e == me).to(tl.int32)
+            rank = tl.cumsum(hit, axis=0) - hit
+            tl.store(sorted_ptr + seen + rank, i, mask=hit != 0)
+            seen += tl.sum(hit, axis=0)
+            c += RANK_CHUNK
+        # the padding of the segment holds the sentinel N (fewer than BLOCK_M slots)
         j = tl.arange(0, BLOCK_M)
-        pad = (starts + counts)[:, None] + j[None, :]
-        tl.store(sorted_ptr + pad, tl.zeros([E_P2, BLOCK_M], tl.int32) + N, mask=pad < ends[:, None])
+        tl.store(sorted_ptr + start + count + j, tl.zeros([BLOCK_M], tl.int32) + N, mask=j < my_padded - count)
+        first = start // BLOCK_M
+        n_blocks = my_padded // BLOCK_M
         c = 0
-        while c < NUM_BLOCKS:
+        while c < n_blocks:
             b = c + tl.arange(0, B_CHUNK)
-            owner = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-            tl.store(block_expert_ptr + b, owner, mask=b < NUM_BLOCKS)
+            tl.store(block_expert_ptr + first + b, tl.zeros([B_CHUNK], tl.int32) + me, mask=b < n_blocks)
             c += B_CHUNK
 
     @triton.jit
@@ -254,23 +268,34 @@ def padded_size(n_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-worst // block_m) * block_m
 
 
-def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool | None = None):
+def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool | None = None, *,
+              out=None):
     """experts [T, top_k] -> (sorted_ids [P_max] int32, block_expert [P_max // block_m] int32, total [1] int32);
-    see the module docstring. Nothing here waits for the device."""
+    see the module docstring. Nothing here waits for the device. The kernel leaves sorted_ids[total:] and
+    block_expert[total // block_m:] unwritten (the GEMM kernels never read past total); only [0, total) and the
+    first total // block_m blocks are the result. `out` (kernel only; tests): the three output buffers to fill
+    in place instead of fresh torch.empty ones, so that a test can pre-fill them and see what is left unwritten."""
     flat = experts.reshape(-1)
     n = flat.numel()
     p_max = padded_size(n, num_experts, block_m)
     if use_kernel is None:
         use_kernel = n <= ALIGN_TRITON_MAX_PAIRS
     if use_kernel:
-        sorted_ids = torch.empty(p_max, dtype=torch.int32, device=flat.device)
-        block_expert = torch.empty(p_max // block_m, dtype=torch.int32, device=flat.device)
-        total = torch.empty(1, dtype=torch.int32, device=flat.device)
-        chunk = 32
-        _moe_align_kernel[(1,)](flat.contiguous(), sorted_ids, block_expert, total, n, p_max // block_m,
-                                E_P2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=chunk,
-                                B_CHUNK=32, num_warps=8)
+        if out is None:
+            sorted_ids = torch.empty(p_max, dtype=torch.int32, device=flat.device)
+            block_expert = torch.empty(p_max // block_m, dtype=torch.int32, device=flat.device)
+            total = torch.empty(1, dtype=torch.int32, device=flat.device)
+        else:
+            sorted_ids, block_expert, total = out
+            assert sorted_ids.shape == (p_max,) and block_expert.shape == (p_max // block_m,)
+            assert total.shape == (1,) and {t.dtype for t in out} == {torch.int32}
+        e_p2 = triton.next_power_of_2(num_experts)
+        # the histogram's [CHUNK, E_P2] one-hot: 16K elements up to E_P2 = 1024 (CHUNK 16 there and beyond)
+        chunk = min(1024, max(16, 16384 // e_p2))
+        _moe_align_kernel[(num_experts,)](flat.contiguous(), sorted_ids, block_expert, total, n, E_P2=e_p2,
+                                          BLOCK_M=block_m, CHUNK=chunk, RANK_CHUNK=256, B_CHUNK=32, num_warps=4)
         return sorted_ids, block_expert, total
+    assert out is None, "out is for the kernel path"
     return _moe_align_torch(flat, num_experts, block_m, p_max)
 
 
