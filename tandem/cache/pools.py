@@ -47,6 +47,10 @@ class CachePools:
         return slots
 
     def zero_slots(self, slots: list[int]) -> None:
+        if not slots or not self._gdn:
+            return
+        idx = torch.tensor(slots, dtype=torch.long)  # one copy for every layer, without waiting for the device
+        idx = idx.pin_memory().to(self._gdn[0][0].device, non_blocking=True) if self._gdn[0][0].is_cuda else idx
         for conv, rec in self._gdn:
-            conv[slots] = 0
-            rec[slots] = 0
+            conv.index_fill_(0, idx, 0)
+            rec.index_fill_(0, idx, 0)

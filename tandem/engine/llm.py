@@ -119,11 +119,13 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compiles the prefill kernels before serving (on a GPU the first prompt of a new shape otherwise pays
-        seconds of Triton compiles and autotuning inside a step): a full-budget prompt, then a few short ones
-        together. Everything is freed afterwards."""
+        seconds of Triton compiles and autotuning inside a step): a full-budget prompt, then 2, 4, 8 and 16 short
+        ones together (kernel variants depend on the number of requests in a step, by powers of two). Everything
+        is freed afterwards."""
         t0 = time.monotonic()
         longest = min(self.ecfg.max_num_batched_tokens, self.ecfg.max_model_len - 1 - self.ecfg.num_speculative_tokens)
-        batches = [[longest], [min(longest, 64 + 32 * i) for i in range(min(4, self.ecfg.max_num_seqs))]]
+        batches = [[longest]] + [[min(longest, 64 + 32 * i) for i in range(n)] for n in (2, 4, 8, 16)
+                                 if n <= self.ecfg.max_num_seqs]
         params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
         for lengths in batches:
             ids = [f"__warmup-{i}" for i in range(len(lengths))]

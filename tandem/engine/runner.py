@@ -8,7 +8,7 @@ from tandem.cache.pools import CachePools
 from tandem.config import EngineConfig
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.engine.sequence import Sequence
-from tandem.model.batch import ForwardBatch
+from tandem.model.batch import ForwardBatch, to_device
 from tandem.model.qwen3_5 import Qwen3_5ForCausalLM
 
 
@@ -37,18 +37,16 @@ class ModelRunner:
         for i, (seq, _, _) in enumerate(items):
             tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
         slot_mapping = tables[row_req, positions // bs].long() * bs + positions % bs
+        longs = to_device(dev, torch.tensor([t for _, _, toks in items for t in toks], dtype=torch.long), positions,
+                          slot_mapping, torch.tensor([seq.state_slots[seq.read_slot_index] for seq, _, _ in items]),
+                          torch.tensor([seq.state_slots for seq, _, _ in items]), qsl[1:] - 1)
+        ints = to_device(dev, qsl.to(torch.int32), seq_lens.to(torch.int32), tables)
+        input_ids, positions_d, slot_mapping_d, state_slots, state_write_slots, logits_indices = longs
         return ForwardBatch(
-            input_ids=torch.tensor([t for _, _, toks in items for t in toks], dtype=torch.long, device=dev),
-            positions=positions.to(dev),
-            query_start_loc=qsl.to(torch.int32).to(dev),
-            seq_lens=seq_lens.to(torch.int32).to(dev),
-            block_tables=tables.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            state_slots=torch.tensor([seq.state_slots[seq.read_slot_index] for seq, _, _ in items], device=dev),
-            state_write_slots=torch.tensor([seq.state_slots for seq, _, _ in items], device=dev),
-            logits_indices=(qsl[1:] - 1).to(dev),
-            query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            input_ids=input_ids, positions=positions_d, query_start_loc=ints[0], seq_lens=ints[1],
+            block_tables=ints[2], slot_mapping=slot_mapping_d, state_slots=state_slots,
+            state_write_slots=state_write_slots, logits_indices=logits_indices,
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
         )
 
     @torch.inference_mode()

@@ -6,7 +6,7 @@ Rows are ordered request by request (decode requests first); request i owns toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,3 +26,22 @@ class ForwardBatch:
     # by one with both. A captured decode graph has no host lengths (seq_lens_cpu None): only kernels run there.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int] | None
+    # metadata derived from the above that every layer would otherwise rebuild (the first layer that needs an
+    # entry makes it): e.g. fla's varlen offsets
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+def to_device(device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Host tensors of one dtype -> device tensors of the same shapes, by one copy from pinned memory that does
+    not wait for the device (a pageable copy would wait for every queued kernel first)."""
+    align = 16 // tensors[0].element_size()  # each part starts 16-byte aligned, as fresh tensors do (Triton
+    starts, size = [], 0                      # specialises kernels on pointer alignment)
+    for t in tensors:
+        starts.append(size)
+        size += -(-t.numel() // align) * align
+    flat = torch.empty(size, dtype=tensors[0].dtype, pin_memory=torch.device(device).type == "cuda")
+    for t, start in zip(tensors, starts):
+        flat[start : start + t.numel()] = t.reshape(-1)
+    flat = flat.to(device, non_blocking=True)
+    return [flat[start : start + t.numel()].view(t.shape) for t, start in zip(tensors, starts)]
+

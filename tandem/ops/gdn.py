@@ -30,16 +30,18 @@ share the null slot, whose contents are garbage anyway).
 import torch
 import torch.nn.functional as F
 
-from tandem.model.batch import ForwardBatch
+from tandem.model.batch import ForwardBatch, to_device
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
 try:  # optional GPU dependency (fla-core): the chunked prefill kernel
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_gated_delta_rule
+    from fla.ops.utils.index import prepare_chunk_indices as _fla_chunk_indices
 
     HAS_FLA = True
 except Exception:  # noqa: BLE001 -- absent, or present but unusable on this machine
-    _fla_chunk_gated_delta_rule = None
+    _fla_chunk_gated_delta_rule = _fla_chunk_indices = None
     HAS_FLA = False
+FLA_CHUNK = 64  # fla's chunk length (its default); the chunk indices we pass are built for it
 
 # Requests with more rows than this go to fla's chunked kernel (when present); it must be >= W (= k+1).
 FLA_MIN_ROWS = 64
@@ -275,13 +277,17 @@ def gated_delta_rule_fla(q, k, v, g, beta, state, batch: ForwardBatch, requests:
     cu = [0]
     for a, b in spans:
         cu.append(cu[-1] + b - a)
-    cu_cpu = torch.tensor(cu, dtype=torch.long)
-    idx = torch.tensor(requests, dtype=torch.long).to(v.device, non_blocking=True)
+    key = ("fla", tuple(requests))
+    if key not in batch.derived:  # once per step, not per layer: the same tensors also hit fla's own caches
+        cu_cpu = torch.tensor(cu, dtype=torch.long)
+        chunks = _fla_chunk_indices(cu_cpu, FLA_CHUNK)
+        batch.derived[key] = (cu_cpu, *to_device(v.device, torch.tensor(requests, dtype=torch.long), cu_cpu, chunks))
+    cu_cpu, idx, cu_dev, chunk_indices = batch.derived[key]
     h0 = state[batch.state_slots[idx]].float()
     o, ht = _fla_chunk_gated_delta_rule(
         rows(q)[None], rows(k)[None], rows(v)[None], rows(g)[None].float(), rows(beta)[None],
         scale=q.shape[2] ** -0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_cpu.to(v.device, non_blocking=True), cu_seqlens_cpu=cu_cpu,
+        cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK,
     )
     state[batch.state_write_slots[idx, W - 1]] = ht.to(state.dtype)
     o = o[0].to(out.dtype)
