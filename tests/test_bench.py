@@ -115,6 +115,17 @@ def test_bench_openai_sweep(cluster, tmp_path, capsys):
     assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 1000
 
 
+def test_prompts_per_concurrency(cluster, tmp_path):
+    """Each level of a sweep sends N x concurrency prompts, at most --num-prompts (8 here)."""
+    rc = bench(["--backend", "grpc", "--address", cluster.address, *SMALL, "--sweep-concurrency", "1,3,16",
+                "--prompts-per-concurrency", "2", "--save-result", "--result-dir", str(tmp_path),
+                "--result-filename", "per.json"])
+    assert rc == 0
+    for c, n in ((1, 2), (3, 6), (16, 8)):
+        res = json.loads((tmp_path / f"per-c{c}.json").read_text())
+        assert res["completed"] == res["num_prompts"] == n and res["max_concurrency"] == c
+
+
 def test_arrivals_and_spec_parsing():
     import numpy as np
 
