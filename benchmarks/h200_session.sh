@@ -69,7 +69,7 @@ for part in $PARTS; do
     profile)  # where a step's device time goes: the top kernels at B = 1 and at B = 32 with k = 2
         timeout 600 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE --batch-sizes 1,32 --k 0,2 \
             --prompt-len 256 --steps 5 --profile > "$OUT/profile.txt" 2>&1
-        grep -E "profiled|ms/step" "$OUT/profile.txt" ;;
+        grep -E "profiled|^ +[0-9]+ +[0-9.]+ " "$OUT/profile.txt" ;;
     serve)  # colocated (the model fits once), k = 0 and k = 2 with emulated acceptance
         for k in 0 2; do
             acc=(); [ $k -gt 0 ] && acc=(--emulated-acceptance 0.84,0.66)

@@ -16,6 +16,7 @@ import torch
 
 from tandem.cache.allocator import CountingAllocator
 from tandem.config import EngineConfig, ModelConfig
+from tandem.model.batch import to_device
 from tandem.parallel import SINGLE, TPGroup
 
 
@@ -49,8 +50,7 @@ class CachePools:
     def zero_slots(self, slots: list[int]) -> None:
         if not slots or not self._gdn:
             return
-        idx = torch.tensor(slots, dtype=torch.long)  # one copy for every layer, without waiting for the device
-        idx = idx.pin_memory().to(self._gdn[0][0].device, non_blocking=True) if self._gdn[0][0].is_cuda else idx
+        idx, = to_device(self._gdn[0][0].device, torch.tensor(slots))  # one index for every layer
         for conv, rec in self._gdn:
             conv.index_fill_(0, idx, 0)
             rec.index_fill_(0, idx, 0)

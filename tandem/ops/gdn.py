@@ -274,12 +274,9 @@ def gated_delta_rule_fla(q, k, v, g, beta, state, batch: ForwardBatch, requests:
             return x[spans[0][0] : spans[-1][1]]
         return torch.cat([x[a:b] for a, b in spans])
 
-    cu = [0]
-    for a, b in spans:
-        cu.append(cu[-1] + b - a)
     key = ("fla", tuple(requests))
     if key not in batch.derived:  # once per step, not per layer: the same tensors also hit fla's own caches
-        cu_cpu = torch.tensor(cu, dtype=torch.long)
+        cu_cpu = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
         chunks = _fla_chunk_indices(cu_cpu, FLA_CHUNK)
         batch.derived[key] = (cu_cpu, *to_device(v.device, torch.tensor(requests, dtype=torch.long), cu_cpu, chunks))
     cu_cpu, idx, cu_dev, chunk_indices = batch.derived[key]
@@ -294,7 +291,7 @@ def gated_delta_rule_fla(q, k, v, g, beta, state, batch: ForwardBatch, requests:
     if contiguous:
         out[spans[0][0] : spans[-1][1]] = o
     else:
-        for (a, b), c0 in zip(spans, cu):
+        for (a, b), c0 in zip(spans, cu_cpu.tolist()):
             out[a:b] = o[c0 : c0 + b - a]
     return out
 
