@@ -62,6 +62,8 @@ class ModelConfig:
     ssm_dtype: torch.dtype | None  # None: the model dtype
     num_mtp_layers: int
     eos_token_ids: tuple[int, ...] = ()
+    # the checkpoint's (or preset's) `quantization_config`: a `tandem.model.fp8.Fp8Quantization`, or None
+    quantization: object = None
 
     @property
     def conv_dim(self) -> int:
@@ -200,7 +202,17 @@ class ModelConfig:
             ssm_dtype=parse_dtype(ssm) if ssm else None,
             num_mtp_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             eos_token_ids=eos,
+            quantization=_quantization(top.get("quantization_config", text.get("quantization_config"))),
         )
+
+
+def _quantization(raw):
+    from tandem.model.fp8 import Fp8FormatError, Fp8Quantization  # the model package needs this module first
+
+    try:
+        return Fp8Quantization.from_hf(raw)
+    except Fp8FormatError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass

@@ -22,11 +22,16 @@ NAMES = ["tiny-moe", "tiny-dense"]
 FUSED = (GatedDeltaNet, GatedAttention, MLP, SparseMoE)
 
 
+def is_fp8(model) -> bool:
+    return any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
+
+
 def unfused_copy(cfg, model):
     """The same weights in a freshly built (so never fused) model, each parameter a tensor of its own."""
-    ref = build_empty_model(cfg, "cpu", torch.float32, with_mtp=hasattr(model, "mtp"))
+    ref = build_empty_model(cfg, "cpu", torch.float32, with_mtp=hasattr(model, "mtp"),
+                            fp8=cfg.quantization if is_fp8(model) else None)
     ref.load_state_dict(model.state_dict())
-    assert all(m._fused is None for m in ref.modules() if isinstance(m, FUSED))
+    assert all(m._groups is None for m in ref.modules() if isinstance(m, FUSED))
     return ref
 
 
@@ -39,17 +44,23 @@ def assert_fused(model):
     mods = fused_modules(model)
     assert {type(m) for m in mods} >= {GatedDeltaNet, GatedAttention}
     for m in mods:
-        fused = m._fused
-        assert fused is not None and fused.is_contiguous()
-        start, end = fused.data_ptr(), fused.data_ptr() + fused.numel() * fused.element_size()
-        ptr, rows = start, 0
-        for name in m._fused_names:
-            p = m.get_parameter(name)
-            assert p.data_ptr() == ptr and p.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
-            ptr += p.numel() * p.element_size()
-            rows += p.shape[0]
-            assert torch.equal(p, fused[rows - p.shape[0] : rows])
-        assert ptr == end and rows == fused.shape[0]
+        assert m._groups and sorted(i for g in m._groups for i in g.index) == list(range(len(m._fused_names)))
+        for g in m._groups:
+            names = [m._fused_names[i] for i in g.index]
+            stacked = [(g.weight, names)]
+            if g.scale_inv is not None:  # FP8: the scales stack in the same order
+                stacked.append((g.scale_inv, [n + "_scale_inv" for n in names]))
+            for fused, params in stacked:
+                assert fused.is_contiguous()
+                start, end = fused.data_ptr(), fused.data_ptr() + fused.numel() * fused.element_size()
+                ptr, rows = start, 0
+                for name in params:
+                    p = m.get_parameter(name)
+                    assert p.data_ptr() == ptr and p.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+                    ptr += p.numel() * p.element_size()
+                    rows += p.shape[0]
+                    assert torch.equal(p.float(), fused[rows - p.shape[0] : rows].float())
+                assert ptr == end and rows == fused.shape[0]
 
 
 def admitted(engine, rid, ids):
@@ -86,11 +97,18 @@ def greedy(cfg, model, ps, k):
     return [out[str(i)] for i in range(len(ps))]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + ["tiny-moe-fp8"])
 def test_fused_model_equals_unfused(name):
+    """For the FP8 preset (W8A8 through the torch reference): the e4m3 projections stack apart from the
+    high-precision ones (router, gates, GDN a/b), so fusing changes only the GEMM count, not the maths."""
     cfg = preset_config(name)
-    model = random_model(cfg, "cpu", torch.float32, seed=2)
+    model = random_model(cfg, "cpu", torch.float32, seed=2, fp8_compute=cfg.quantization is not None)
     assert_fused(model)
+    if cfg.quantization is not None:
+        assert is_fp8(model)
+        gdn, moe_block = model.model.layers[0].linear_attn, model.model.layers[0].mlp
+        assert [g.index for g in gdn._groups] == [[0, 1], [2, 3]]  # qkv | z in e4m3, b | a in fp32
+        assert [g.index for g in moe_block._groups] == [[0, 3], [1, 2]]  # router | gate, shared gate | up
     ref = unfused_copy(cfg, model)
     assert list(model.state_dict()) == list(ref.state_dict())
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
@@ -109,10 +127,12 @@ def test_moe_block_is_one_gemm_with_the_shared_expert():
     moe = model.model.layers[0].mlp
     cfg = model.cfg
     inter = cfg.shared_expert_intermediate_size
-    assert moe._fused.shape == (cfg.num_experts + 2 * inter + 1, cfg.hidden_size)
+    (group,) = moe._groups
+    assert group.weight.shape == (cfg.num_experts + 2 * inter + 1, cfg.hidden_size)
     # the shared expert's own gate | up is a view of the MoE block's rows, not a second copy
-    assert moe.shared_expert._fused.data_ptr() == moe.shared_expert.gate_proj.weight.data_ptr()
-    assert moe.shared_expert._fused.untyped_storage().data_ptr() == moe._fused.untyped_storage().data_ptr()
+    (own,) = moe.shared_expert._groups
+    assert own.weight.data_ptr() == moe.shared_expert.gate_proj.weight.data_ptr()
+    assert own.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
     x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     want = (torch.nn.functional.silu(moe.shared_expert.gate_proj(x)) * moe.shared_expert.up_proj(x))
     assert torch.allclose(moe.shared_expert(x), moe.shared_expert.down_proj(want), atol=1e-6)
@@ -121,10 +141,13 @@ def test_moe_block_is_one_gemm_with_the_shared_expert():
 @pytest.mark.parametrize("name", NAMES)
 def test_fusing_again_changes_nothing(name):
     model = random_model(preset_config(name), "cpu", torch.float32)
-    before = {id(m): m._fused.data_ptr() for m in fused_modules(model)}
+    def fused_ptrs():
+        return {id(m): [g.weight.data_ptr() for g in m._groups] for m in fused_modules(model)}
+
+    before = fused_ptrs()
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     model.fuse_projections()
-    assert {id(m): m._fused.data_ptr() for m in fused_modules(model)} == before
+    assert fused_ptrs() == before
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
     assert_fused(model)
 
@@ -136,7 +159,7 @@ def test_converting_the_model_keeps_it_fused():
     want = packed_logits(cfg, model, ps)
     model.to(torch.float64).to(torch.float32)  # every parameter gets a new tensor, twice
     assert_fused(model)
-    assert all(m._fused.dtype == torch.float32 for m in fused_modules(model))
+    assert all(g.weight.dtype == torch.float32 for m in fused_modules(model) for g in m._groups)
     assert torch.equal(packed_logits(cfg, model, ps), want)
 
 
@@ -169,7 +192,7 @@ def test_tensor_parallel_shards_are_fused(name):
         part = random_model(cfg, "cpu", torch.float32, seed=3, tp=TPGroup(rank, 2))  # no process group needed
         assert_fused(part)
         attn = next(m for m in part.modules() if isinstance(m, GatedAttention))
-        assert attn._fused.shape[0] == (attn.nh * 2 + attn.nkv * 2) * attn.hd  # this rank's heads only
+        assert attn._groups[0].weight.shape[0] == (attn.nh * 2 + attn.nkv * 2) * attn.hd  # this rank's heads only
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

@@ -28,22 +28,16 @@ import shutil
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+from tandem.ops.fp8 import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Fp8FormatError, dequantize_block_fp8,  # noqa: F401
+                             quantize_block_fp8, scale_shape)
+
 SCALE_SUFFIX = "_scale_inv"  # `<name>.weight` -> `<name>.weight_scale_inv`
-# amax floor: an all-zero block gets a tiny positive scale (never 0 or inf), and quantises to exact zeros
-_AMAX_FLOOR = 1e-12
 
 # The linear layers quantised by convention (the leaf module name). Routers, gates, in_proj_a/b, conv1d, norms,
 # embeddings, lm_head and the MTP fc are not.
 QUANTIZED_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_qkvz",
                                "out_proj", "gate_proj", "up_proj", "down_proj"})
-
-
-class Fp8FormatError(ValueError):
-    """A quantization_config or FP8 tensor this code cannot read (the loader re-raises it as CheckpointError)."""
 
 
 @dataclass(frozen=True)
@@ -90,46 +84,6 @@ class Fp8Quantization:
                 "modules_to_not_convert": list(self.modules_to_not_convert)}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def scale_shape(shape, block=(128, 128)) -> tuple[int, ...]:
-    """The `weight_scale_inv` shape of a weight of `shape` ([..., out, in])."""
-    *lead, m, n = shape
-    return (*lead, _cdiv(m, block[0]), _cdiv(n, block[1]))
-
-
-@torch.no_grad()
-def quantize_block_fp8(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., out, in] -> (e4m3 weight of w's shape, fp32 scale_inv [..., ceil(out/b0), ceil(in/b1)]).
-    Per block: scale_inv = amax / 448 (amax floored at 1e-12, so a zero block is exact zeros with a finite
-    scale), q = round_to_e4m3(w / scale_inv), saturated at +-448."""
-    if w.ndim < 2:
-        raise ValueError(f"block quantisation needs a [..., out, in] tensor, got shape {tuple(w.shape)}")
-    bm, bn = block
-    *lead, m, n = w.shape
-    mb, nb = _cdiv(m, bm), _cdiv(n, bn)
-    x = F.pad(w.float(), (0, nb * bn - n, 0, mb * bm - m)).view(*lead, mb, bm, nb, bn)
-    amax = x.abs().amax(dim=(-3, -1)).clamp_min(_AMAX_FLOOR)  # [..., mb, nb]
-    scale_inv = amax / FP8_MAX
-    q = (x / scale_inv[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    q = q.view(*lead, mb * bm, nb * bn)[..., :m, :n].contiguous()
-    return q, scale_inv.contiguous()
-
-
-def dequantize_block_fp8(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`w_fp8.float() * scale_inv` with each scale broadcast over its block, in `dtype` (the product is fp32)."""
-    expected = scale_shape(w_fp8.shape, block)
-    if tuple(scale_inv.shape) != expected:
-        raise Fp8FormatError(f"scale_inv of shape {tuple(scale_inv.shape)} for a weight of shape "
-                             f"{tuple(w_fp8.shape)} with blocks {tuple(block)}: expected {expected}")
-    m, n = w_fp8.shape[-2:]
-    s = scale_inv.float().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :m, :n]
-    return (w_fp8.float() * s).to(dtype)
-
-
 def _strip_prefix(name: str) -> str:
     return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
 
@@ -153,6 +107,88 @@ def is_quantized(name: str, modules_to_not_convert=()) -> bool:
     if module.startswith(("model.visual.", "visual.")) or module.rsplit(".", 1)[-1] not in QUANTIZED_LINEARS:
         return False
     return not any(module_matches(module, p) for p in modules_to_not_convert)
+
+
+# -- the model's FP8 layout ------------------------------------------------------------------------------------------
+
+def uses_fp8_compute(device, tp=None, requested: bool | None = None) -> bool:
+    """Whether an FP8 model runs W8A8 (e4m3 weights kept) rather than dequantised: `requested`, else on one CUDA
+    device (the kernels are GPU kernels, and the FP8 layout is not split across tensor-parallel ranks)."""
+    if requested is not None:
+        if requested and tp is not None and tp.world_size > 1:
+            raise Fp8FormatError("FP8 compute does not run under tensor parallelism; load it dequantised")
+        return requested
+    return str(device).startswith("cuda") and (tp is None or tp.world_size == 1)
+
+
+def _quantised_modules(model, quant: Fp8Quantization):
+    """(parent module, child name, child) of each projection (nn.Linear) and experts module the checkpoint
+    format quantises, by the naming rule and modules_to_not_convert."""
+    from torch import nn
+
+    from tandem.model.qwen3_5 import Experts
+
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, nn.Linear) and is_quantized(name + ".weight", quant.modules_to_not_convert):
+                yield parent, child_name, child
+            elif isinstance(child, Experts) and is_quantized(f"{name}.0.gate_proj.weight",
+                                                             quant.modules_to_not_convert):
+                yield parent, child_name, child
+
+
+def _expert_tensors(experts):
+    """An experts module's tensors as the format quantises them: gate rows, up rows, down (each [E, out, in])."""
+    inter = experts.gate_up_proj.shape[1] // 2
+    return experts.gate_up_proj.data[:, :inter], experts.gate_up_proj.data[:, inter:], experts.down_proj.data
+
+
+@torch.no_grad()
+def to_fp8_layout(model, quant: Fp8Quantization, quantize: bool) -> None:
+    """In place, before fusing: each quantised projection becomes an `Fp8Linear` and each quantised experts module
+    holds e4m3 weights with their scales (`Experts`). `quantize`: from the current weights (random presets);
+    else uninitialised (the loader fills them; a meta model stays on meta)."""
+    from torch import nn
+
+    from tandem.model.qwen3_5 import Fp8Linear
+
+    block = quant.weight_block_size
+    for parent, child_name, child in _quantised_modules(model, quant):
+        if isinstance(child, nn.Linear):
+            with torch.device(child.weight.device):
+                new = Fp8Linear(child.in_features, child.out_features, block)
+            if quantize:
+                new.weight.data, new.weight_scale_inv.data = quantize_block_fp8(child.weight.data, block)
+            setattr(parent, child_name, new)
+            continue
+        gate, up, down = _expert_tensors(child)
+        if quantize:
+            (qg, sg), (qu, su), (qd, sd) = (quantize_block_fp8(t, block) for t in (gate, up, down))
+            qgu, sgu = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
+        else:
+            dev = gate.device
+            qgu = torch.empty(child.gate_up_proj.shape, dtype=FP8_DTYPE, device=dev)
+            experts, row_blocks, col_blocks = scale_shape(gate.shape, block)
+            sgu = torch.empty(experts, 2 * row_blocks, col_blocks, dtype=torch.float32, device=dev)
+            qd = torch.empty(down.shape, dtype=FP8_DTYPE, device=dev)
+            sd = torch.empty(scale_shape(down.shape, block), dtype=torch.float32, device=dev)
+        child.gate_up_proj = nn.Parameter(qgu, requires_grad=False)
+        child.gate_up_proj_scale_inv = nn.Parameter(sgu, requires_grad=False)
+        child.down_proj = nn.Parameter(qd, requires_grad=False)
+        child.down_proj_scale_inv = nn.Parameter(sd, requires_grad=False)
+        child.block = block
+
+
+@torch.no_grad()
+def round_trip_fp8(model, quant: Fp8Quantization) -> None:
+    """In place: every weight the format quantises becomes dequantize(quantize(w)) in its own dtype, the model
+    a dequantising load of the FP8 checkpoint gives (random FP8 presets off the GPU)."""
+    block = quant.weight_block_size
+    for _, _, child in _quantised_modules(model, quant):
+        tensors = _expert_tensors(child) if hasattr(child, "gate_up_proj") else (child.weight.data,)
+        for t in tensors:
+            t.copy_(dequantize_block_fp8(*quantize_block_fp8(t, block), block))
 
 
 # -- converter ------------------------------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ interleaved `in_proj_qkvz` / `in_proj_ba` (converted to the 3.5 split layout); `
 (`model.mtp`, present when the checkpoint has those tensors). Each tensor goes straight to the device and dtype; nothing is staged in a second full CPU copy.
 Under tensor parallelism a rank reads only its part of each split tensor (safetensors slices) and only its
 experts; the Qwen3-Next packed projections are read whole, converted, then cut.
-FP8 block-quantised checkpoints (`quantization_config.quant_method == "fp8"`, see `tandem/model/fp8.py`): each
-float8 weight is dequantised with its `weight_scale_inv` into the model dtype as it is read (read whole, then cut);
-there is no FP8 compute path yet.
+FP8 block-quantised checkpoints (`quantization_config.quant_method == "fp8"`, see `tandem/model/fp8.py`) load one
+of two ways (`fp8.uses_fp8_compute`): on one GPU the model takes the FP8 layout and the e4m3 weights and their
+`weight_scale_inv` go in as stored (W8A8 compute); elsewhere (CPU, tensor parallelism) each float8 weight is
+dequantised with its scale into the model dtype as it is read (read whole, then cut).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from tandem.config import ModelConfig
 from tandem.model.qwen3_5 import Qwen3_5ForCausalLM
+from tandem.ops.fp8 import FP8_DTYPE
 from tandem.ops.rope import inv_frequencies
 from tandem.parallel import SINGLE, TPGroup
 
@@ -43,11 +45,15 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_empty_model(cfg: ModelConfig, device: str, dtype: torch.dtype, with_mtp: bool = False,
-                      tp: TPGroup = SINGLE) -> Qwen3_5ForCausalLM:
+                      tp: TPGroup = SINGLE, fp8=None) -> Qwen3_5ForCausalLM:
     """Allocates (uninitialised) parameters directly on `device` in `dtype`; inv_freq stays fp32. With `tp`, only
-    this rank's shard."""
+    this rank's shard. `fp8` (an Fp8Quantization): the FP8 layout, e4m3 weights and fp32 scales."""
     with _default_dtype(dtype), torch.device("meta"):
         model = Qwen3_5ForCausalLM(cfg, with_mtp, tp)
+        if fp8 is not None:
+            from tandem.model.fp8 import to_fp8_layout
+
+            to_fp8_layout(model, fp8, quantize=False)
     model.to_empty(device=device)
     model.inv_freq = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, device=device)
     return model.eval().requires_grad_(False)
@@ -64,7 +70,8 @@ def _checkpoint_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-_PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 
 
 def _canonical(name: str) -> str | None:
@@ -96,13 +103,20 @@ class _Writer:
             shape[split.dim] *= self.tp.world_size
         return tuple(shape)
 
-    def _fits(self, name: str, shape) -> bool:
-        """Whether the checkpoint tensor `name` of (full) `shape` belongs to the model; records why not."""
+    def _fits(self, name: str, shape, is_fp8: bool | None = None) -> bool:
+        """Whether the checkpoint tensor `name` of (full) `shape` belongs to the model; records why not. `is_fp8`:
+        whether the checkpoint stores it as float8, which must agree with the model's (FP8) layout."""
         if name not in self.params:
             self.problems.append(f"unexpected tensor {name} {tuple(shape)}")
             return False
         if tuple(shape) != self._full_shape(name):
             self.problems.append(f"mis-shaped tensor {name}: checkpoint {tuple(shape)}, model {self._full_shape(name)}")
+            return False
+        want = self.params[name].dtype == FP8_DTYPE
+        if is_fp8 is not None and is_fp8 != want:
+            self.problems.append(f"{name}: the checkpoint stores it {'as' if is_fp8 else 'not as'} float8, but by "
+                                 "quantization_config (modules_to_not_convert) it is " + ("" if want else "not ")
+                                 + "quantised")
             return False
         return True
 
@@ -116,7 +130,7 @@ class _Writer:
     def _read(self, f, key: str, name: str):
         """Copies this rank's part of checkpoint tensor `key` into parameter `name`, reading only that part."""
         sl = f.get_slice(key)
-        if not self._fits(name, sl.get_shape()):
+        if not self._fits(name, sl.get_shape(), sl.get_dtype() == "F8_E4M3"):
             return
         split = self.splits.get(name)
         if split is None:
@@ -126,7 +140,7 @@ class _Writer:
             parts = [sl[lead + (slice(a, b),)] for a, b in split.ranges(sl.get_shape()[split.dim], self.tp.rank,
                                                                         self.tp.world_size)]
             t = torch.cat(parts, split.dim) if len(parts) > 1 else parts[0]
-        self.params[name].data.copy_(t.to(self.device, self.dtype))
+        self.params[name].data.copy_(t.to(self.device, self.params[name].dtype))
         self.loaded.add(name)
 
     def add(self, key: str, f):
@@ -136,22 +150,28 @@ class _Writer:
             return
         m = _PER_EXPERT.match(name)
         if m:
-            read = lambda: f.get_tensor(key).to(self.device, self.dtype)  # noqa: E731 -- only for this rank's experts
-            self._add_expert(m.group(1), int(m.group(2)), m.group(3), read)
+            read = lambda: f.get_tensor(key)  # noqa: E731 -- only for this rank's experts
+            self._add_expert(m.group(1), int(m.group(2)), m.group(3), m.group(4), read)
             return
         if name.endswith(".linear_attn.in_proj_qkvz.weight") or name.endswith(".linear_attn.in_proj_ba.weight"):
+            if f.get_slice(key).get_dtype() == "F8_E4M3":
+                self.problems.append(f"{key}: Qwen3-Next's packed projections in float8 load only dequantised")
+                return
             self._add_qwen3_next_projection(name, f.get_tensor(key).to(self.device, self.dtype))
             return
         if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
             return  # tied: the embedding is the head
         self._read(f, key, name)
 
-    def _add_expert(self, prefix: str, e: int, which: str, read):
-        inter = self.cfg.moe_intermediate_size
+    def _add_expert(self, prefix: str, e: int, which: str, suffix: str, read):
+        """Expert e's `which` projection `.weight` or (FP8) `.weight_scale_inv`: its rows of the fused tensor."""
         target = f"{prefix}.down_proj" if which == "down_proj" else f"{prefix}.gate_up_proj"
+        if suffix != "weight":
+            target += "_scale_inv"
         if target not in self.params or e >= self.cfg.num_experts:
-            self.problems.append(f"unexpected tensor {prefix}.{e}.{which}.weight")
+            self.problems.append(f"unexpected tensor {prefix}.{e}.{which}.{suffix}")
             return
+        half = self.params[target].shape[1] // 2  # gate rows, then up rows (scale rows too: see Experts)
         first, local = self.tp.rank * self.params[target].shape[0], self.params[target].shape[0]
         if not first <= e < first + local:
             return  # another rank's expert
@@ -159,14 +179,18 @@ class _Writer:
         if which == "down_proj":
             index = (e,)
         else:
-            index = (e, slice(0, inter)) if which == "gate_proj" else (e, slice(inter, 2 * inter))
+            index = (e, slice(0, half)) if which == "gate_proj" else (e, slice(half, 2 * half))
         t = read()
         dst = self.params[target].data[index]
         if tuple(dst.shape) != tuple(t.shape):
-            self.problems.append(f"mis-shaped tensor {prefix}.{e + first}.{which}.weight: checkpoint "
+            self.problems.append(f"mis-shaped tensor {prefix}.{e + first}.{which}.{suffix}: checkpoint "
                                  f"{tuple(t.shape)}, model {tuple(dst.shape)}")
             return
-        dst.copy_(t)
+        if (t.dtype == FP8_DTYPE) != (dst.dtype == FP8_DTYPE):
+            self.problems.append(f"{prefix}.{e + first}.{which}.{suffix}: stored as {t.dtype}, but the model's "
+                                 f"layout holds {dst.dtype} (quantization_config.modules_to_not_convert)")
+            return
+        dst.copy_(t.to(self.device, dst.dtype))
         pieces = self.partial.setdefault(target, set())
         pieces.add((e, which))
         if len(pieces) == local * (1 if which == "down_proj" else 2):
@@ -195,22 +219,6 @@ class _Writer:
             raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(self.problems))
 
 
-def _quantization(path: str) -> fp8.Fp8Quantization | None:
-    """The checkpoint's FP8 scheme from its config.json (top level or `text_config`); None when unquantised."""
-    from tandem.model import fp8  # imported here: `python -m tandem.model.fp8` must not find it imported already
-
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_file):
-        return None
-    with open(cfg_file) as f:
-        raw = json.load(f)
-    q = raw.get("quantization_config", (raw.get("text_config") or {}).get("quantization_config"))
-    try:
-        return fp8.Fp8Quantization.from_hf(q)
-    except fp8.Fp8FormatError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-
-
 class _TensorSlice:
     """A loaded tensor behind the safetensors slice interface (`get_shape`, indexing)."""
 
@@ -219,6 +227,9 @@ class _TensorSlice:
 
     def get_shape(self):
         return list(self.t.shape)
+
+    def get_dtype(self):
+        return "dequantised"
 
     def __getitem__(self, index):
         return self.t[index]
@@ -290,17 +301,21 @@ def _has_mtp_tensors(files: list[str]) -> bool:
 
 
 def load_checkpoint(path: str, cfg: ModelConfig, device: str, dtype: torch.dtype, progress: bool = True,
-                    tp: TPGroup = SINGLE):
+                    tp: TPGroup = SINGLE, fp8_compute: bool | None = None):
     """Returns the model with every tensor loaded from the checkpoint in `path`; it has an MTP head (`.mtp`)
     when the config declares one and the checkpoint holds its `mtp.*` weights. Under tensor parallelism, this
-    rank's shard of it. Its projections are fused (`fuse_projections`) once everything is loaded."""
+    rank's shard of it. Its projections are fused (`fuse_projections`) once everything is loaded. An FP8
+    checkpoint keeps its e4m3 weights when `fp8_compute` (None: `fp8.uses_fp8_compute`), else is dequantised."""
+    from tandem.model.fp8 import uses_fp8_compute
+
     files = _checkpoint_files(path)
-    quant = _quantization(path)
+    quant = ModelConfig.from_dir(path).quantization if os.path.exists(os.path.join(path, "config.json")) else None
+    native = quant is not None and uses_fp8_compute(device, tp, fp8_compute)
     with_mtp = cfg.num_mtp_layers > 0 and _has_mtp_tensors(files)
-    model = build_empty_model(cfg, device, dtype, with_mtp, tp)
+    model = build_empty_model(cfg, device, dtype, with_mtp, tp, fp8=quant if native else None)
     writer = _Writer(model)
     scale_files, used_scales = {}, set()
-    if quant is not None:
+    if quant is not None and not native:
         from tandem.model.fp8 import SCALE_SUFFIX
 
         for file in files:
@@ -309,7 +324,7 @@ def load_checkpoint(path: str, cfg: ModelConfig, device: str, dtype: torch.dtype
     with torch.no_grad():
         for file in tqdm(files, desc="loading shards", disable=not progress or len(files) < 2):
             with safe_open(file, framework="pt", device=str(device)) as f:
-                if quant is not None:
+                if quant is not None and not native:
                     f = _Fp8File(f, quant, scale_files, device, writer.problems, used_scales)
                 for name in f.keys():
                     writer.add(name, f)

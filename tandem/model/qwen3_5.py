@@ -14,11 +14,17 @@ Fused projections (`Qwen3_5ForCausalLM.fuse_projections`, run once the weights a
 module that read the same input are stacked into one weight, so they run as one GEMM (a decode step at small batch
 is bound by kernel launches): GDN's qkv | z | b | a, attention's q | k | v, the MLP's gate | up, and in the MoE
 block router | shared expert's gate | shared expert's up | shared-expert gate. The parameters become row views of
-the stacked weight (kept as a plain attribute `_fused`), so names, shapes, `state_dict` and loading are unchanged;
-an unfused module (a freshly built one) runs the separate GEMMs.
+the stacked weight (kept in the plain attribute `_groups`), so names, shapes, `state_dict` and loading are
+unchanged; an unfused module (a freshly built one) runs the separate GEMMs.
+
+FP8 (`tandem/model/fp8.py`, `to_fp8_layout`): the quantised projections become `Fp8Linear` (e4m3 weight plus
+`weight_scale_inv`, W8A8 GEMM) and the experts hold e4m3 weights with their scales; fusing then stacks the e4m3
+projections apart from the high-precision ones.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,7 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.model.batch import ForwardBatch
 from tandem.ops.attention import paged_attention, write_kv
+from tandem.ops.fp8 import FP8_DTYPE, scale_shape, w8a8_linear
 from tandem.ops.gdn import causal_conv1d, gated_delta_rule
 from tandem.ops.moe import fused_experts, route_logits
 from tandem.ops.norm import gated_rms_norm, rms_norm_1p
@@ -89,33 +96,93 @@ def _stack_rows(params: list[nn.Parameter]) -> torch.Tensor:
     return fused
 
 
+class Fp8Linear(nn.Module):
+    """`y = x W^T` with W in e4m3 and one fp32 scale per (b0 x b1) block (`weight_scale_inv`, the checkpoint's
+    name), x quantised per token and group of b1 channels on the fly (W8A8, `tandem/ops/fp8.py`)."""
+
+    def __init__(self, n_in: int, n_out: int, block: tuple[int, int]):
+        super().__init__()
+        self.in_features, self.out_features, self.block = n_in, n_out, tuple(block)
+        self.weight = nn.Parameter(torch.empty(n_out, n_in, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape((n_out, n_in), block), dtype=torch.float32),
+                                             requires_grad=False)
+
+    def forward(self, x):
+        return w8a8_linear(x, self.weight, self.weight_scale_inv, self.block)
+
+
+@dataclass
+class _FusedGroup:
+    """Projections stacked into one weight (and, in FP8, one stacked scale): `rows` per projection, `index` their
+    positions in `_fused_names`."""
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor | None
+    block: tuple[int, int] | None
+    rows: list[int]
+    index: list[int]
+
+    def __call__(self, x):
+        if self.scale_inv is None:
+            return F.linear(x, self.weight).split(self.rows, dim=-1)  # views: no copies
+        return w8a8_linear(x, self.weight, self.scale_inv, self.block).split(self.rows, dim=-1)
+
+
 class _FusedProjections(nn.Module):
     """A module whose projections `_fused_names` (weight names, in their order in the fused weight) read the same
-    input. `fuse()` stacks them into `_fused`; `project(x)` returns each projection of x, by one GEMM when fused.
-    Inference only: the fused weight carries no autograd."""
+    input. `fuse()` stacks them into `_groups`; `project(x)` returns each projection of x, by one GEMM per group.
+    Projections of one storage kind form a group: all of them in a bf16 / fp32 model; in an FP8 one the e4m3
+    projections (whose scales stack too, when every projection's rows fill whole scale blocks) apart from the
+    high-precision ones (router, gates, GDN a/b). Inference only: the fused weights carry no autograd."""
 
     _fused_names: tuple[str, ...] = ()
-    _fused: torch.Tensor | None = None
+    _groups: list[_FusedGroup] | None = None
+
+    def _projection(self, name: str) -> nn.Module:
+        return self.get_submodule(name.removesuffix(".weight"))
 
     @torch.no_grad()
     def fuse(self):
-        params = [self.get_parameter(n) for n in self._fused_names]
-        self._fused_rows = [p.shape[0] for p in params]
-        self._fused = _stack_rows(params)
+        mods = [self._projection(n) for n in self._fused_names]
+        kinds: dict[tuple, list[int]] = {}
+        for i, m in enumerate(mods):
+            block = getattr(m, "block", None)
+            if block is not None and m.out_features % block[0]:
+                kinds[("fp8 alone", i)] = [i]  # its scale rows would straddle its neighbours': not stacked
+            else:
+                kinds.setdefault((m.weight.dtype, block), []).append(i)
+        self._groups = []
+        for index in kinds.values():
+            group = [mods[i] for i in index]
+            block = getattr(group[0], "block", None)
+            scale = _stack_rows([m.weight_scale_inv for m in group]) if block is not None else None
+            self._groups.append(_FusedGroup(_stack_rows([m.weight for m in group]), scale, block,
+                                            [m.weight.shape[0] for m in group], index))
 
     def project(self, x):
-        if self._fused is None:
-            return [F.linear(x, self.get_parameter(n)) for n in self._fused_names]
-        return F.linear(x, self._fused).split(self._fused_rows, dim=-1)  # views: no copies
+        if self._groups is None:
+            return [_apply_linear(self._projection(n), x) for n in self._fused_names]
+        if len(self._groups) == 1:
+            return self._groups[0](x)
+        out = [None] * len(self._fused_names)
+        for group in self._groups:
+            for i, y in zip(group.index, group(x)):
+                out[i] = y
+        return out
 
     def _apply(self, fn, recurse=True):
         # .to(), .half(), to_empty(), ... give each parameter a tensor of its own: stack them again so that the
-        # fused weight follows the parameters
-        fused, self._fused = self._fused is not None, None
+        # fused weights follow the parameters
+        fused, self._groups = self._groups is not None, None
         super()._apply(fn, recurse)
         if fused:
             self.fuse()
         return self
+
+
+def _apply_linear(m: nn.Module, x):
+    """A projection module (nn.Linear, Fp8Linear, or a bare holder of `.weight` such as the router) applied to x."""
+    return m(x) if isinstance(m, Fp8Linear) else F.linear(x, m.weight)
 
 
 class GatedDeltaNet(_FusedProjections):
@@ -217,18 +284,24 @@ class Experts(nn.Module):
         self.num_experts, self.first = cfg.num_experts, tp.rank * E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, inter))
+        # FP8 (`tandem.model.fp8.to_fp8_layout`): e4m3 weights, these scales and their block; the gate and up
+        # rows have scale rows of their own ([E, 2 * ceil(I / b0), ceil(H / b1)]), so I need not fill whole blocks
+        self.register_parameter("gate_up_proj_scale_inv", None)
+        self.register_parameter("down_proj_scale_inv", None)
+        self.block: tuple[int, int] | None = None
         self.tp_splits = {"gate_up_proj": Split(0), "down_proj": Split(0)}
 
     def forward(self, x, weights, experts):
         """Sum of `weight * expert(x)` over the (token, expert) pairs routed to this rank's experts."""
         local = self.gate_up_proj.shape[0]
+        fp8 = dict(gate_up_scale=self.gate_up_proj_scale_inv, down_scale=self.down_proj_scale_inv, block=self.block)
         if local == self.num_experts:
-            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts)
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **fp8)
         tok, k = ((experts >= self.first) & (experts < self.first + local)).nonzero(as_tuple=True)
         out = torch.zeros_like(x)
         if tok.numel():  # each pair as a row of its own with top-1 routing, experts renumbered from 0
             y = fused_experts(x[tok], self.gate_up_proj, self.down_proj, weights[tok, k, None],
-                              experts[tok, k, None] - self.first)
+                              experts[tok, k, None] - self.first, **fp8)
             out.index_add_(0, tok, y)
         return out
 

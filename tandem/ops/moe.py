@@ -29,6 +29,7 @@ CUDA graph:
 import torch
 import torch.nn.functional as F
 
+from tandem.ops.fp8 import w8a8_linear_torch
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
 # Up to this many (token, slot) pairs the align step is one Triton launch (a program per expert, each of which
@@ -38,6 +39,8 @@ ALIGN_TRITON_MAX_PAIRS = 1024
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from tandem.ops.fp8 import quantize_rows
 
     @triton.jit
     def _route_kernel(logits_ptr, w_out_ptr, e_out_ptr, E, TOP_K: tl.constexpr, K_P2: tl.constexpr,
@@ -126,10 +129,12 @@ if HAS_TRITON:
         return e, offs_m, pair, pair < N_PAIRS
 
     @triton.jit
-    def _moe_gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr, N_PAIRS, stride_x,
-                            TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    def _moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr, N_PAIRS,
+                            stride_x, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PRECISION: tl.constexpr):
+                            PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr):
+        """FP8: w is e4m3 with scales ws [E, 2 * IB, KB] (gate rows' scale rows, then up rows'); BLOCK_K is the
+        activation group, so each K step quantises the gathered x tile and rescales its products once."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -142,20 +147,31 @@ if HAS_TRITON:
         a_ptrs = x_ptr + tok[:, None] * stride_x + k[None, :]
         g_ptrs = w_ptr + e * (2 * I * H) + n[None, :].to(tl.int64) * H + k[:, None]  # [BLOCK_K, BLOCK_N]
         u_ptrs = g_ptrs + I * H
+        KB: tl.constexpr = (H + BLOCK_K - 1) // BLOCK_K
+        IB: tl.constexpr = (I + GROUP_N - 1) // GROUP_N
+        gs_ptrs = ws_ptr + e * (2 * IB * KB) + (n // GROUP_N) * KB
+        us_ptrs = gs_ptrs + IB * KB
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        for kb in range(KB):
             if H % BLOCK_K == 0:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
                 wg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
                 wu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
             else:
-                k_ok = k0 + k < H
+                k_ok = kb * BLOCK_K + k < H
                 a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
                 wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+            if FP8:
+                q, s = quantize_rows(a.to(tl.float32))
+                sg = tl.load(gs_ptrs + kb, mask=n_ok, other=0.0)
+                su = tl.load(us_ptrs + kb, mask=n_ok, other=0.0)
+                acc_g += tl.dot(q, wg) * (s[:, None] * sg[None, :])
+                acc_u += tl.dot(q, wu) * (s[:, None] * su[None, :])
+            else:
+                acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -164,10 +180,11 @@ if HAS_TRITON:
         tl.store(out_ptrs, act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
 
     @triton.jit
-    def _moe_down_kernel(inter_ptr, w_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr, N_PAIRS,
-                         H: tl.constexpr, I: tl.constexpr,
+    def _moe_down_kernel(inter_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr,
+                         N_PAIRS, H: tl.constexpr, I: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr):
+        """FP8: w is e4m3 with scales ws [E, HB, KB]; `inter` is quantised per row and group as it is read."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -178,16 +195,24 @@ if HAS_TRITON:
         k = tl.arange(0, BLOCK_K)
         a_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * I + k[None, :]
         w_ptrs = w_ptr + e * (H * I) + n[None, :].to(tl.int64) * I + k[:, None]  # [BLOCK_K, BLOCK_N]
+        KB: tl.constexpr = (I + BLOCK_K - 1) // BLOCK_K
+        HB: tl.constexpr = (H + GROUP_N - 1) // GROUP_N
+        ws_ptrs = ws_ptr + e * (HB * KB) + (n // GROUP_N) * KB
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        for kb in range(KB):
             if I % BLOCK_K == 0:
                 a = tl.load(a_ptrs)
                 w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
             else:
-                k_ok = k0 + k < I
+                k_ok = kb * BLOCK_K + k < I
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            if FP8:
+                q, s = quantize_rows(a.to(tl.float32))
+                sw = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
+                acc += tl.dot(q, w) * (s[:, None] * sw[None, :])
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         rw = tl.load(route_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
@@ -210,11 +235,14 @@ def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool):
     return route_logits_torch(logits, top_k, renormalize)
 
 
-def fused_experts(x, gate_up, down, weights, experts) -> torch.Tensor:
-    """x: [T, H]; weights, experts: [T, top_k] -> [T, H]."""
+def fused_experts(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None,
+                  block=None) -> torch.Tensor:
+    """x: [T, H]; weights, experts: [T, top_k] -> [T, H]. FP8 experts: e4m3 `gate_up` / `down` with their
+    scales and block (see `Experts`); activations are quantised per token and group of block[1] channels."""
+    fp8 = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, block=block)
     if use_triton(x):
-        return fused_experts_triton(x, gate_up, down, weights, experts)
-    return _fused_experts_torch(x, gate_up, down, weights, experts)
+        return fused_experts_triton(x, gate_up, down, weights, experts, **fp8)
+    return _fused_experts_torch(x, gate_up, down, weights, experts, **fp8)
 
 
 # ---------------------------------------------------------------------------------------------------- torch
@@ -230,7 +258,12 @@ def route_logits_torch(logits, top_k, renormalize):
     return weights.to(logits.dtype), experts
 
 
-def _fused_experts_torch(x, gate_up, down, weights, experts):
+def _expert_linear(x, w, scale, block):
+    return F.linear(x, w) if scale is None else w8a8_linear_torch(x, w, scale, block)
+
+
+def _fused_experts_torch(x, gate_up, down, weights, experts, gate_up_scale=None, down_scale=None, block=None):
+    I, half = gate_up.shape[1] // 2, None if gate_up_scale is None else gate_up_scale.shape[1] // 2
     out = torch.zeros_like(x)
     flat = experts.flatten()
     order = flat.argsort()
@@ -242,8 +275,10 @@ def _fused_experts_torch(x, gate_up, down, weights, experts):
         if n == 0:
             continue
         tok = token_of[start : start + n]
-        gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[e]) * w_of[start : start + n, None]
+        gs, us, ds = (None, None, None) if half is None else \
+            (gate_up_scale[e, :half], gate_up_scale[e, half:], down_scale[e])
+        gate, up = _expert_linear(x[tok], gate_up[e, :I], gs, block), _expert_linear(x[tok], gate_up[e, I:], us, block)
+        y = _expert_linear(F.silu(gate) * up, down[e], ds, block) * w_of[start : start + n, None]
         out.index_add_(0, tok, y.to(out.dtype))
         start += n
     return out
@@ -326,10 +361,10 @@ def _configs(n_pairs: int, num_experts: int):
     return 64, (64, 64, 4, 3), (128, 64, 8, 3)
 
 
-def fused_experts_triton(x, gate_up, down, weights, experts, *, block_m=None, gate_up_cfg=None, down_cfg=None,
-                         align_kernel=None, buf=None):
-    """The Triton path (see the module docstring). The keyword arguments override tiling and the align method and
-    give the [T*top_k, H] per-pair buffer (tests)."""
+def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
+                         block_m=None, gate_up_cfg=None, down_cfg=None, align_kernel=None, buf=None):
+    """The Triton path (see the module docstring). The keyword arguments after the FP8 ones override tiling and
+    the align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     inter_size = two_i // 2
@@ -345,19 +380,21 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, block_m=None, ga
     sorted_ids, block_expert, total = moe_align(experts, E, bm, align_kernel)
     num_blocks = block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    fp8 = block is not None
+    group_n = block[0] if fp8 else 1
     inter = torch.empty(sorted_ids.shape[0], inter_size, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = gu
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, bn))](
-        x, gate_up, inter, sorted_ids, block_expert, total, n_pairs, x.stride(0),
-        TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision,
-        num_warps=warps, num_stages=stages)
+        x, gate_up, gate_up_scale if fp8 else gate_up, inter, sorted_ids, block_expert, total, n_pairs, x.stride(0),
+        TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, num_warps=warps, num_stages=stages)
     if buf is None:
         buf = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = dn
     _moe_down_kernel[(num_blocks, triton.cdiv(H, bn))](
-        inter, down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
-        H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision,
-        num_warps=warps, num_stages=stages)
+        inter, down, down_scale if fp8 else down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
+        H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, num_warps=warps, num_stages=stages)
     if top_k == 1:
         return buf.view(T, H)
     return buf.view(T, top_k, H).sum(1)
