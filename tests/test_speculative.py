@@ -114,8 +114,9 @@ def test_stochastic_verification_is_lossless(monkeypatch):
         assert abs(base.get(q, 0) - spec.get(q, 0)) < 4 * (2 * 0.25 / n) ** 0.5, q
 
 
-def test_emulated_acceptance_hits_the_requested_rates_and_is_labelled():
-    llm = LLM(model="tiny-moe", max_num_seqs=16, block_size=4, max_model_len=256,
+@pytest.mark.parametrize("cuda_graphs", [False, True])  # True: acceptance decided on the device (graphs.py)
+def test_emulated_acceptance_hits_the_requested_rates_and_is_labelled(cuda_graphs):
+    llm = LLM(model="tiny-moe", max_num_seqs=16, block_size=4, max_model_len=256, cuda_graphs=cuda_graphs,
               speculative_config={"num_speculative_tokens": 2}, emulated_acceptance=(0.8, 0.5))
     outs = llm.generate([{"prompt_token_ids": [3, 4, 5 + i]} for i in range(16)],
                         SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))

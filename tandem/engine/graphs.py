@@ -7,10 +7,12 @@ table at the null block and the null state slot, so they compute finite garbage 
 
 Two graphs per bucket:
 - `verify`: the target over the B*q rows -> hidden [B*q, H] and fp32 logits of every row [B*q, V].
-- `draft` (k > 0): the MTP head over the same B*q rows (each row's next token comes from `next_ids`; rows past a
-  request's last accepted one get a placeholder and write MTP KV at positions that a later step overwrites before
-  anything reads them), then k-1 recursive MTP steps from each request's picked row (`pick`), all on the device
-  -> argmax drafts [B, k].
+- `draft` (k > 0), after the rows are sampled (into `tokens`): each request's accepted drafts (the leading ones
+  its sampled tokens, or the emulated-acceptance decisions `forced`, agree with), then the MTP head over the same
+  B*q rows with each row's next token (rows past a request's last accepted one get a placeholder and write MTP KV
+  at positions that a later step overwrites before anything reads them), then k-1 recursive MTP steps from each
+  request's last accepted row, all on the device -> [B, q + 1 + k]: sampled tokens, accepted count, argmax drafts.
+  The host reads that one tensor, so a verify step waits for the device once.
 
 Graphs of all buckets share one memory pool; they are captured lazily on first use (`capture_all` does every bucket
 up front, as a serving worker does at start). On a CPU (tests) the same buffers and padded batches are used and
@@ -65,7 +67,7 @@ class DecodeGraphs:
         self.max_blocks = -(-(ecfg.max_model_len + self.k) // ecfg.block_size)
         # one int64 region (a single copy per step): name -> (offset, shape)
         fields = {"input_ids": (n,), "positions": (n,), "seq_lens": (B,), "slot_mapping": (n,),
-                  "state_slots": (B,), "state_write_slots": (B, self.q), "next_ids": (n,), "pick": (B,),
+                  "state_slots": (B,), "state_write_slots": (B, self.q), "forced": (B, self.k),
                   "block_tables": (B, self.max_blocks)}
         self.layout, size = {}, 0
         for name, shape in fields.items():
@@ -77,6 +79,7 @@ class DecodeGraphs:
         self.dev = {k: self._view(self.device_buf, k) for k in self.layout}
         self.query_start_loc = torch.arange(0, n + 1, self.q, device=ecfg.device)
         self.rows = torch.arange(B + 1, device=ecfg.device)
+        self.tokens = torch.zeros(n, dtype=torch.long, device=ecfg.device)  # the sampled rows, the draft graph's input
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.verify_graphs: dict[int, _Replayable] = {}
         self.draft_graphs: dict[int, _Replayable] = {}
@@ -117,17 +120,17 @@ class DecodeGraphs:
         h["state_slots"][first:B] = 0
         h["state_write_slots"][first:B] = 0
         h["block_tables"][first:B] = 0
-        h["next_ids"][first * q : B * q] = 0
-        h["pick"][first:B] = [i * q for i in range(first, B)]
+        h["forced"][first:B] = 0
 
     def _upload(self) -> None:
         self.device_buf.copy_(self.host_buf, non_blocking=self.capture)
 
     # ------------------------------------------------------------------------------------------ steps
 
-    def verify(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, chunks: list[ScheduledChunk], forced: list[list[bool]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs the target over the chunks' rows (each [last, drafts...]); returns (hidden, logits) of the real
-        rows, [len(chunks)*q, H] and [len(chunks)*q, V]. Advances num_computed by q."""
+        rows, [len(chunks)*q, H] and [len(chunks)*q, V]. Advances num_computed by q. `forced[i][j]`: request i's
+        draft j is accepted whatever is sampled (emulated acceptance), for `accept_and_draft`."""
         h, q, bs = self.host, self.q, self.ecfg.block_size
         n_req = len(chunks)
         B = self.bucket = self.bucket_for(n_req)
@@ -143,6 +146,7 @@ class DecodeGraphs:
             h["seq_lens"][i] = p + q
             h["state_slots"][i] = seq.state_slots[seq.read_slot_index]
             h["state_write_slots"][i] = seq.state_slots
+            h["forced"][i] = forced[i]
             table = h["block_tables"][i]
             table[: len(seq.block_ids)] = seq.block_ids
             table[len(seq.block_ids):] = 0
@@ -152,17 +156,15 @@ class DecodeGraphs:
         hidden, logits = self.verify_graphs[B].replay()
         return hidden[: n_req * q], logits[: n_req * q]
 
-    def draft(self, next_ids: list[list[int]], accepted: list[int]) -> torch.Tensor:
-        """After `verify` of the same requests: request i's rows 0..accepted[i] have next tokens next_ids[i];
-        returns the k argmax drafts of each request from its row accepted[i], [n, k] (on the device)."""
-        h, q, B = self.host, self.q, self.bucket
-        for i, (ids, a) in enumerate(zip(next_ids, accepted)):
-            h["next_ids"][i * q : i * q + len(ids)] = ids
-            h["pick"][i] = i * q + a
-        n = len(accepted)
-        self._view(self.device_buf, "next_ids").copy_(self._view(self.host_buf, "next_ids"), non_blocking=self.capture)
-        self._view(self.device_buf, "pick").copy_(self._view(self.host_buf, "pick"), non_blocking=self.capture)
-        return self.draft_graphs[B].replay()[:n]
+    def accept_and_draft(self, tokens: torch.Tensor) -> tuple[list[int], list[int], list[list[int]]]:
+        """After `verify` of the same requests, `tokens` [n*q] the token sampled at each of their rows (on the
+        device): acceptance and the next drafts run on the device, then one copy brings everything to the host.
+        Returns (tokens, drafts accepted per request, k new drafts per request)."""
+        q = self.q
+        n = tokens.numel() // q
+        self.tokens[: n * q].copy_(tokens)  # padding rows keep earlier tokens: valid ids, never read back
+        packed = self.draft_graphs[self.bucket].replay()[:n].tolist()  # the step's one wait for the device
+        return [t for row in packed for t in row[:q]], [row[q] for row in packed], [row[q + 1 :] for row in packed]
 
     def capture_all(self) -> None:
         for B in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool memory
@@ -185,12 +187,19 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _draft_fn(self, B: int):
-        """The MTP head over the verify rows, then k-1 recursive steps from each request's picked row."""
-        model, d, bs, hidden = self.model, self.dev, self.ecfg.block_size, self._last_hidden
-        ids = d["next_ids"][: B * self.q]
+        """Acceptance (the host loop's rule: draft j is kept while row j emits it), then the MTP head over the
+        verify rows and k-1 recursive steps from each request's last accepted row."""
+        model, d, bs, hidden, q = self.model, self.dev, self.ecfg.block_size, self._last_hidden, self.q
+        sampled = self.tokens[: B * q].view(B, q)
+        drafts_in = d["input_ids"][: B * q].view(B, q)[:, 1:]
+        # the token each row emits (an emulated acceptance emits the draft): the next token of each row up to the
+        # last accepted one, a placeholder after it
+        emitted = torch.cat([torch.where(d["forced"][:B] != 0, drafts_in, sampled[:, :-1]), sampled[:, -1:]], 1)
+        accepted = (emitted[:, :-1] == drafts_in).long().cumprod(1).sum(1)  # the leading run of kept drafts
+        ids = emitted.reshape(-1)
         batch = self._batch(B, ids)
         out = model.mtp(model.model.embed_tokens(ids), hidden, batch, model.inv_freq, self.pools.mtp_cache)
-        pick = d["pick"][:B]
+        pick = self.query_start_loc[:B] + accepted  # each request's last accepted row
         last = out[pick]
         tok = model.compute_logits(last).argmax(-1)
         drafts = [tok]
@@ -207,4 +216,4 @@ class DecodeGraphs:
             last = model.mtp(model.model.embed_tokens(tok), last, rec, model.inv_freq, self.pools.mtp_cache)
             tok = model.compute_logits(last).argmax(-1)
             drafts.append(tok)
-        return torch.stack(drafts, 1)
+        return torch.cat([sampled, accepted[:, None], torch.stack(drafts, 1)], 1)

@@ -223,9 +223,14 @@ class Engine:
             self._finish(seq, reason)
         return reason is not None
 
-    def _emulate(self, position: int) -> bool:
+    def _emulated(self, chunks) -> list[list[bool]]:
+        """Emulated acceptance, decided before the step (so the graph path uploads it with the step's inputs): per
+        request and draft, whether the draft is taken whatever the target samples. One draw per draft, request by
+        request, whether or not an earlier rejection makes it moot: each position is still accepted with its rate
+        given the ones before it."""
         rates = self.ecfg.emulated_acceptance
-        return rates is not None and self._emulation_rng.random() < rates[position]
+        return [[rates is not None and self._emulation_rng.random() < rates[j] for j in range(len(c.seq.drafts))]
+                for c in chunks]
 
     def _prefill(self, chunks) -> list[Sequence]:
         """Prompt chunks: a request whose prompt completes samples its first token at its last row; with MTP,
@@ -287,11 +292,15 @@ class Engine:
     def _decode(self, chunks) -> list[Sequence]:
         """Decode requests, each at its last token plus its drafts: every row is sampled in one batch (row j of a
         request in the context of its first j drafts), drafts are kept while they agree with the sampled tokens,
-        and the MTP head drafts the next ones from the last accepted row."""
+        and the MTP head drafts the next ones from the last accepted row. On the graph path acceptance and drafting
+        run on the device as well, and the step waits for the device once (`DecodeGraphs.accept_and_draft`); the
+        host loop below then only replays the stop rules, logprobs and generators on the tokens that came back."""
         k, model, graphs = self.ecfg.num_speculative_tokens, self.runner.model, self.graphs
         use_graph = graphs is not None and graphs.fits(chunks)
+        drafted = use_graph and k > 0  # acceptance and the next drafts come from the device
+        forced = self._emulated(chunks)
         if use_graph:
-            hidden, logits = graphs.verify(chunks)
+            hidden, logits = graphs.verify(chunks, forced)
         else:
             batch, hidden = self.runner.forward(chunks)
             logits = model.compute_logits(hidden)
@@ -302,15 +311,18 @@ class Engine:
         seeded = {c.seq.request_id: g.get_state() for c in chunks
                   if (g := self.generators.get(c.seq.request_id)) is not None and not c.seq.params.greedy}
         tokens, lps = sample(logits, views, self.generators)
-        tokens = tokens.tolist()
-        finished, items, rows, next_ids, accepted_at = [], [], [], [], []
-        for c, start in zip(chunks, starts):
+        if drafted:
+            tokens, device_accepted, new_drafts = graphs.accept_and_draft(tokens)
+        else:
+            tokens = tokens.tolist()
+        finished, items, rows = [], [], []
+        for i, (c, start) in enumerate(zip(chunks, starts)):
             seq, first_pos = c.seq, c.seq.num_computed - c.num_tokens
             drafts, seq.drafts = seq.drafts, []
             accepted, stopped = 0, False
             for j in range(c.num_tokens):
                 tok = tokens[start + j]
-                if j < len(drafts) and self._emulate(j):
+                if j < len(drafts) and forced[i][j]:
                     tok = drafts[j]  # emulated acceptance: the draft is taken whatever the target says
                 if self._emit(seq, tok, lps[start + j]):
                     stopped = True
@@ -319,32 +331,30 @@ class Engine:
                     accepted += 1
                 else:
                     break
+            if drafted:  # the same rule on the same tokens, except that a stop cuts the host's count short
+                assert accepted <= device_accepted[i] if stopped else accepted == device_accepted[i], \
+                    (seq.request_id, accepted, device_accepted[i])
             if not stopped and seq.request_id in seeded:  # its generator advances by the tokens emitted, as k = 0
                 self._replay_noise(seq.request_id, seeded[seq.request_id], min(accepted + 1, c.num_tokens),
                                    logits.shape[1])
             if k:
                 self.spec_stats.record(len(drafts), accepted)
+            # a stopped request's new drafts (graph path) are dropped: the draft graph wrote only MTP KV, into blocks
+            # it still held then (their next owner's work is queued after it) or into the null block
             if stopped:
                 finished.append(seq)
-                next_ids.append([])
-                accepted_at.append(0)
                 continue
             seq.num_computed = first_pos + accepted + 1  # rejected rows are rewound (their KV is overwritten later)
             seq.read_slot_index = accepted
-            items.append((seq, first_pos, drafts[:accepted] + seq.output_token_ids[-1:]))
-            rows.extend(range(start, start + accepted + 1))
-            next_ids.append(items[-1][2])
-            accepted_at.append(accepted)
-        if k and items:
-            if use_graph:
-                new_drafts = graphs.draft(next_ids, accepted_at).tolist()
-                for c, ids, d in zip(chunks, next_ids, new_drafts):
-                    if ids:
-                        c.seq.drafts = d
-            else:
-                for (seq, _, _), d in zip(items, draft(model, self.runner, self.pools, items, hidden[rows],
-                                                       [True] * len(items), k)):
-                    seq.drafts = d
+            if drafted:
+                seq.drafts = new_drafts[i]
+            elif k:
+                items.append((seq, first_pos, drafts[:accepted] + seq.output_token_ids[-1:]))
+                rows.extend(range(start, start + accepted + 1))
+        if items:
+            for (seq, _, _), d in zip(items, draft(model, self.runner, self.pools, items, hidden[rows],
+                                                   [True] * len(items), k)):
+                seq.drafts = d
         return finished
 
     def _replay_noise(self, request_id: str, state: torch.Tensor, draws: int, vocab: int) -> None:

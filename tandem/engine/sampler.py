@@ -3,22 +3,34 @@
 Order (as vLLM): penalties on the raw logits -> min_tokens mask -> temperature -> top-k / top-p / min-p -> draw.
 Draws use the exponential-race trick (argmax p / E, E ~ Exp(1)), so a seeded request takes its noise from its own
 generator and gets the same tokens whatever else is in the batch. Logprobs are of the unmodified model distribution.
+Nothing here waits for the device except the logprobs (read on the host): per-request values go up by non-blocking
+copies, so a decode step's sampling queues behind its forward instead of draining it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tandem.model.batch import to_device
+
+
+def _upload(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list on the device without waiting for queued kernels (torch.tensor(..., device=cuda) would wait)."""
+    return to_device(device, torch.tensor(values, dtype=dtype))[0]
+
 
 def apply_penalties(logits: torch.Tensor, seqs) -> None:
     for i, s in enumerate(seqs):
         p = s.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(s.token_ids)), device=logits.device)
+            seen = _upload(sorted(set(s.token_ids)), torch.long, logits.device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and s.num_output_tokens:
-            counts = torch.bincount(torch.tensor(s.output_token_ids, device=logits.device), minlength=logits.shape[1])
+            ids = _upload(s.output_token_ids, torch.long, logits.device)
+            # index_add_, not bincount: bincount on CUDA reads the largest id on the host to size its output
+            counts = torch.zeros(logits.shape[1], device=logits.device)
+            counts.index_add_(0, ids, torch.ones(len(ids), device=logits.device))
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
@@ -33,7 +45,8 @@ def _penalised(logits: torch.Tensor, seqs) -> torch.Tensor:
     apply_penalties(logits, seqs)
     for i in masked:
         s = seqs[i]
-        logits[i, s.params.stop_token_ids + ([] if s.params.ignore_eos else s.eos_ids)] = float("-inf")
+        stops = _upload(s.params.stop_token_ids + ([] if s.params.ignore_eos else s.eos_ids), torch.long, logits.device)
+        logits[i].index_fill_(0, stops, float("-inf"))
     return logits
 
 
@@ -41,9 +54,9 @@ def _mask_top_k_top_p_min_p(probs: torch.Tensor, seqs) -> torch.Tensor:
     if all(not s.params.top_k and s.params.top_p >= 1.0 and not s.params.min_p for s in seqs):
         return probs  # nothing to cut: skip the sort over the vocabulary
     dev = probs.device
-    top_k = torch.tensor([s.params.top_k or probs.shape[1] for s in seqs], device=dev)
-    top_p = torch.tensor([s.params.top_p for s in seqs], device=dev, dtype=probs.dtype)
-    min_p = torch.tensor([s.params.min_p for s in seqs], device=dev, dtype=probs.dtype)
+    top_k = _upload([s.params.top_k or probs.shape[1] for s in seqs], torch.long, dev)
+    top_p = _upload([s.params.top_p for s in seqs], probs.dtype, dev)
+    min_p = _upload([s.params.min_p for s in seqs], probs.dtype, dev)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[1], device=dev)[None, :]
     # keep a token when the mass strictly before it is < top_p (so the top token always survives)
@@ -68,7 +81,8 @@ def sample(logits: torch.Tensor, seqs, generators: dict[str, torch.Generator]):
     if all(greedy):
         tokens = logits.argmax(-1)
         return tokens, logprob_dicts(raw_logprobs, tokens, seqs)
-    temps = torch.tensor([s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs], device=logits.device)
+    temps = _upload([s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs], torch.float32,
+                    logits.device)
     probs = _mask_top_k_top_p_min_p((logits / temps[:, None]).softmax(-1), seqs)
     noise = torch.empty_like(probs).exponential_()
     for i, s in enumerate(seqs):
@@ -76,7 +90,7 @@ def sample(logits: torch.Tensor, seqs, generators: dict[str, torch.Generator]):
         if g is not None and not greedy[i]:
             noise[i] = draw_noise(probs.shape[1], g, probs.device)
     drawn = (probs / noise).argmax(-1)
-    tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), drawn)
+    tokens = torch.where(_upload(greedy, torch.bool, logits.device), logits.argmax(-1), drawn)
     return tokens, logprob_dicts(raw_logprobs, tokens, seqs)
 
 
