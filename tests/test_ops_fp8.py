@@ -45,12 +45,28 @@ def check_linear(out, x, q, s, block, rtol):
     assert (err <= rtol * want.abs() + 1e-5 * scale + 1e-30).all(), float((err / (scale + 1e-30)).max())
 
 
-LINEAR_CASES = [  # M, N, K, block, tiles (BLOCK_M, BLOCK_N, warps, stages)
-    (1, 48, 64, (16, 16), (16, 32, 4, 1)),  # a partial N tile
-    (5, 40, 80, (16, 16), (16, 32, 4, 1)),  # N not a whole number of scale blocks
-    (33, 64, 72, (32, 32), (16, 32, 4, 1)),  # a partial activation group; three M tiles
-    (7, 64, 96, (32, 32), (16, 64, 4, 1)),
+LINEAR_CASES = [  # M, N, K, block, tiles (BLOCK_M, BLOCK_N, K splits, warps, stages)
+    (1, 48, 64, (16, 16), (16, 32, 1, 4, 1)),  # a partial N tile
+    (5, 40, 80, (16, 16), (16, 32, 2, 4, 1)),  # N not a whole number of scale blocks; 5 groups in 2 splits
+    (33, 64, 72, (32, 32), (16, 32, 1, 4, 1)),  # a partial activation group; three M tiles
+    (7, 64, 96, (32, 32), (16, 64, 3, 4, 1)),  # a split per group
 ]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("R,K,group", [(3, 80, 16), (5, 72, 32), (2, 16, 16)])
+def test_quantize_activations_kernel_cpu_interpreter(R, K, group):
+    """The activation quantisation kernel gives `quantize_block_fp8`'s e4m3 values and scales bit for bit,
+    including a partial group and an all-zero group; with a device-side row count, the rows before it."""
+    x = torch.randn(R, K, generator=torch.Generator().manual_seed(K)) * torch.logspace(-3, 2, K)
+    x[0, :group] = 0
+    q, s = fp8.quantize_activations_triton(x, group)
+    want_q, want_s = quantize_block_fp8(x, (1, group))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    rows = torch.tensor([R - 1], dtype=torch.int32)
+    q, s = fp8.quantize_activations_triton(x, group, rows=rows)
+    assert torch.equal(q[: R - 1].view(torch.uint8), want_q[: R - 1].view(torch.uint8))
+    assert torch.equal(s[: R - 1], want_s[: R - 1])
 
 
 @needs_interpreter
@@ -160,3 +176,15 @@ def test_fp8_fused_experts_gpu(T):
     # the oracle: the torch reference path in fp32 (its own quantisation of x and of SiLU(gate) * up)
     want = moe._fused_experts_torch(x.float(), gate_up, down, weights, experts, **kw).double()
     check_experts(got, want, 5e-2, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,K", [(1, 4096), (96, 2048), (600, 512)])
+def test_quantize_activations_gpu(R, K):
+    """On the GPU too, the kernel's e4m3 values and scales are `quantize_block_fp8`'s bit for bit (a divisor
+    rounded differently moves values across e4m3 rounding boundaries)."""
+    x = (torch.randn(R, K, generator=torch.Generator().manual_seed(R)) * 3).to("cuda", torch.bfloat16)
+    q, s = fp8.quantize_activations_triton(x, 128)
+    want_q, want_s = quantize_block_fp8(x, (1, 128))
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))

@@ -14,8 +14,9 @@ This module has the maths (`quantize_block_fp8`, `dequantize_block_fp8`), the na
 
     python -m tandem.model.fp8 SRC_DIR DST_DIR [--block 128 128] [--exclude MODULE ...]
 
-The loader (`tandem/model/loader.py`) dequantises such checkpoints into the model dtype at load (the CPU path); a
-W8A8 GPU path with block-scaled GEMMs is not built (docs/ARCHITECTURE.md).
+The loader (`tandem/model/loader.py`) dequantises such checkpoints into the model dtype on the CPU and under
+tensor parallelism; on one GPU (`uses_fp8_compute`) it keeps the e4m3 weights and their scales, and the model runs
+block-scaled W8A8 GEMMs (`tandem/ops/fp8.py`) and FP8 MoE experts (`tandem/ops/moe.py`).
 """
 
 from __future__ import annotations

@@ -5,12 +5,15 @@ Weights [..., out, in] are stored as e4m3 with one fp32 `scale_inv` per (b0 x b1
 and per group of b1 input channels (a (1 x b1) block): so in each group of b1 products both operands have one
 scale, and a GEMM can multiply in e4m3 and rescale each group's fp32 partial sum by `s_x * s_w`.
 
-`w8a8_linear(x, w, scale_inv, block)` dispatches like every op: CUDA tensors take the Triton kernel, the rest the
-torch reference (dequantise both operands after quantising x, then an fp32 matmul). The kernel quantises x inside
-the GEMM (one launch, no activation round trip through memory): each program loads a [BLOCK_M, b1] tile of x,
-takes each row's amax, divides with IEEE rounding (so it gives the reference's e4m3 values exactly) and feeds the
-e4m3 tile to the tensor cores. Each group's partial product goes to an fp32 accumulator of its own before the
-rescale, which also sidesteps Hopper's reduced-precision accumulation of long e4m3 dot products.
+`w8a8_linear(x, w, scale_inv, block)` dispatches like every op: CUDA tensors take the Triton kernels, the rest
+the torch reference (dequantise both operands after quantising x, then an fp32 matmul). The kernel path is two
+launches: `_quantize_groups_kernel` writes x's e4m3 values and per-group scales (IEEE division, so it gives the
+reference's values bit for bit), then `_w8a8_kernel` streams the weight through the tensor cores. Each group's
+e4m3 product is accumulated in fp32 at every K=32 step (`max_num_imprecise_acc=0`: Hopper's default fast
+accumulation keeps fewer mantissa bits over a long dot) and rescaled by `s_x * s_w` into an fp32 accumulator.
+At decode sizes (few rows) the GEMM is split over K so every SM streams weight; the fp32 partials are summed in a
+fixed order (deterministic, no atomics). Quantising inside the GEMM instead cost each N tile a re-quantisation of
+the whole activation row, which made the GEMM 3-5x slower at decode.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def quantize_block_fp8(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Tensor,
     mb, nb = cdiv(m, bm), cdiv(n, bn)
     x = F.pad(w.float(), (0, nb * bn - n, 0, mb * bm - m)).view(*lead, mb, bm, nb, bn)
     amax = x.abs().amax(dim=(-3, -1)).clamp_min(AMAX_FLOOR)  # [..., mb, nb]
-    scale_inv = amax / FP8_MAX
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, not IEEE-rounded
+    scale_inv = amax / torch.full_like(amax, FP8_MAX)
     q = (x / scale_inv[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.view(*lead, mb * bm, nb * bn)[..., :m, :n].contiguous()
     return q, scale_inv.contiguous()
@@ -84,31 +88,92 @@ if HAS_TRITON:
         return tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv), s
 
     @triton.jit
-    def _w8a8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, stride_xm, stride_om, N: tl.constexpr, K: tl.constexpr,
-                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """out[M, N] = quant(x)[M, K] @ w[N, K]^T, a K step per activation group (BLOCK_K = GROUP_K)."""
+    def group_dot(q, w, s, ws, DOT: tl.constexpr):
+        """One activation group's product rescaled by its scales: (q @ w) * s[:, None] * ws[None, :], fp32.
+        DOT 0: e4m3 tensor-core dot (on Hopper's wgmma, Triton's default fast accumulation); 1: the same with
+        every K=32 instruction's partial sum promoted to fp32; 2: both operands upcast to bf16 first (exact:
+        every e4m3 value is a bf16 value), an fp32-accumulated bf16 dot."""
+        if DOT == 2:
+            d = tl.dot(q.to(tl.bfloat16), w.to(tl.bfloat16))
+        elif DOT == 1:
+            d = tl.dot(q, w, max_num_imprecise_acc=0)
+        else:
+            d = tl.dot(q, w)
+        return d * (s[:, None] * ws[None, :])
+
+    @triton.jit
+    def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, stride_x, K: tl.constexpr, G: tl.constexpr,
+                                GB: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr):
+        """Row r, groups [pid * GB, pid * GB + GB): e4m3 values into q [R, K], scales into s [R, KB].
+        ROWS_ON_DEVICE: rows at or past *rows_ptr are skipped (the MoE's padded pair count, known only there)."""
+        r = tl.program_id(0)
+        if ROWS_ON_DEVICE:
+            if r >= tl.load(rows_ptr):
+                return
+        KB: tl.constexpr = (K + G - 1) // G
+        g = tl.program_id(1) * GB + tl.arange(0, GB)
+        cols = g[:, None] * G + tl.arange(0, G)[None, :]
+        ok = (g[:, None] < KB) & (cols < K)
+        r = r.to(tl.int64)
+        a = tl.load(x_ptr + r * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        q, sc = quantize_rows(a)
+        tl.store(q_ptr + r * K + cols, q, mask=ok)
+        tl.store(s_ptr + r * KB + g, sc, mask=g < KB)
+
+    @triton.jit
+    def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     KB_PER_SPLIT: tl.constexpr, DOT: tl.constexpr):
+        """out[S, M, N] (fp32 partial sums of S = grid(2) splits of the K groups) or out[M, N] (S = 1, x's
+        dtype) = xq[M, K] @ w[N, K]^T, a K step per activation group, each rescaled by its two scales."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
         m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, GROUP_K)
         m_ok, n_ok = m < M, n < N
         KB: tl.constexpr = (K + GROUP_K - 1) // GROUP_K
-        x_ptrs = x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :]
-        w_ptrs = w_ptr + n[None, :].to(tl.int64) * K + k[:, None]  # [GROUP_K, BLOCK_N]
-        ws_ptrs = ws_ptr + (n // GROUP_N) * KB
+        kb0 = pid_s * KB_PER_SPLIT
+        x_ptrs = xq_ptr + m[:, None].to(tl.int64) * K + kb0 * GROUP_K + k[None, :]
+        w_ptrs = w_ptr + n[None, :].to(tl.int64) * K + kb0 * GROUP_K + k[:, None]  # [GROUP_K, BLOCK_N]
+        xs_ptrs = xs_ptr + m.to(tl.int64) * KB + kb0
+        ws_ptrs = ws_ptr + (n // GROUP_N) * KB + kb0
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for kb in range(KB):
-            k_ok = kb * GROUP_K + k < K
-            a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        for i in range(KB_PER_SPLIT):
+            kb = kb0 + i
+            k_ok = (kb * GROUP_K + k < K) & (kb < KB)
+            a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            ws = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
-            q, s = quantize_rows(a)
-            acc += tl.dot(q, w) * (s[:, None] * ws[None, :])
+            xs = tl.load(xs_ptrs + i, mask=m_ok & (kb < KB), other=0.0)
+            ws = tl.load(ws_ptrs + i, mask=n_ok & (kb < KB), other=0.0)
+            acc += group_dot(a, w, xs, ws, DOT)
             x_ptrs += GROUP_K
             w_ptrs += GROUP_K
-        out_ptrs = out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :]
+        out_ptrs = out_ptr + pid_s.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def quantize_activations(x: torch.Tensor, group: int):
+    """x [R, K] -> (e4m3 [R, K], fp32 scales [R, ceil(K / group)]): `quantize_block_fp8(x, (1, group))`, which
+    CUDA tensors get from one Triton launch."""
+    if use_triton(x):
+        return quantize_activations_triton(x, group)
+    return quantize_block_fp8(x, (1, group))
+
+
+def quantize_activations_triton(x, group, rows=None):
+    """The kernel path; `rows` (a one-element int32 device tensor): rows at or past it are left unwritten."""
+    R, K = x.shape
+    kb = cdiv(K, group)
+    q = torch.empty(R, K, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(R, kb, dtype=torch.float32, device=x.device)
+    if R:
+        gb = min(triton.next_power_of_2(kb), max(1, 4096 // group))  # a [GB, group] tile of up to 4K values
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        _quantize_groups_kernel[(R, triton.cdiv(kb, gb))](x, q, s, s if rows is None else rows, x.stride(0), K=K,
+                                                          G=group, GB=gb, ROWS_ON_DEVICE=rows is not None)
+    return q, s
 
 
 def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
@@ -136,32 +201,42 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _gemm_tiles(M: int, N: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages). Few rows (decode): the GEMM streams the weight, so N tiles are narrowed
-    until there are about two programs per SM; many rows: large tiles for the tensor cores."""
-    if M > 64:
-        return 128, 128, 8, 3
+def _gemm_tiles(M: int, N: int, KB: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, K splits, warps, stages). Few rows (decode): the GEMM streams the weight, so N tiles
+    are narrowed, then K split, until there are about two programs per SM; many rows: large tiles for the
+    tensor cores."""
+    if M > 256:
+        return 128, 128, 1, 8, 3
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-    bn = 128
+    bn, split = 128, 1
     while bn > 32 and cdiv(M, bm) * cdiv(N, bn) < 2 * sms:
         bn //= 2
-    return bm, bn, 4, 4
+    while split < KB and cdiv(M, bm) * cdiv(N, bn) * split < 2 * sms:
+        split *= 2
+    return bm, bn, min(split, KB), 4, 4
 
 
-def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None):
-    """The kernel path; `tiles` = (BLOCK_M, BLOCK_N, warps, stages) overrides the choice (tests)."""
+def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=1):
+    """The kernel path: x quantised by one launch, then the GEMM (and, split over K, a sum of the fp32 partials
+    in a fixed order). `tiles` = (BLOCK_M, BLOCK_N, K splits, warps, stages) overrides the choice (tests)."""
     N, K = w.shape
     if x.shape[-1] != K or tuple(scale_inv.shape) != scale_shape(w.shape, block):
         raise ValueError(f"w8a8_linear: x {tuple(x.shape)}, w {tuple(w.shape)}, scale_inv "
                          f"{tuple(scale_inv.shape)} with blocks {tuple(block)} do not agree")
     x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     M = x2.shape[0]
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M:
-        bm, bn, warps, stages = tiles or _gemm_tiles(M, N, _sm_count(x.device) if x.is_cuda else 1)
-        _w8a8_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            x2, w, scale_inv, out, M, x2.stride(0), out.stride(0), N=N, K=K, GROUP_N=block[0], GROUP_K=block[1],
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    if not M:
+        return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    kb = cdiv(K, block[1])
+    bm, bn, split, warps, stages = tiles or _gemm_tiles(M, N, kb, _sm_count(x.device) if x.is_cuda else 1)
+    per_split = cdiv(kb, split)
+    split = cdiv(kb, per_split)
+    xq, xs = quantize_activations_triton(x2, block[1])
+    out = torch.empty((split, M, N) if split > 1 else (M, N), dtype=torch.float32 if split > 1 else x.dtype,
+                      device=x.device)
+    _w8a8_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
+        xq, xs, w, scale_inv, out, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1], BLOCK_M=bm, BLOCK_N=bn,
+        KB_PER_SPLIT=per_split, DOT=dot, num_warps=warps, num_stages=stages)
+    if split > 1:
+        out = out.sum(0).to(x.dtype)
     return out.view(*x.shape[:-1], N)

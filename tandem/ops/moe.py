@@ -24,6 +24,10 @@ CUDA graph:
 4. `_moe_down_kernel`: a grouped GEMM over (block, H tile) of `inter` by the expert's down weight, scaled by the
    routing weight and stored to the pair's own row of `buf [T*top_k, H]` (each pair is written exactly once: no
    atomics). `buf.view(T, top_k, H).sum(1)` then adds the top_k contributions in a fixed order: deterministic.
+
+FP8 experts (e4m3 weights with 128 x 128 block scales) run the same two kernels with e4m3 dots: x is quantised per
+token and 128-channel group before step 3, and `inter` per pair row (up to `total`, read on the device) before
+step 4, each by one launch of `tandem/ops/fp8.py`'s group quantiser; each K step is one group, rescaled once.
 """
 
 import torch
@@ -40,7 +44,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from tandem.ops.fp8 import quantize_rows
+    from tandem.ops.fp8 import group_dot, quantize_activations_triton
 
     @triton.jit
     def _route_kernel(logits_ptr, w_out_ptr, e_out_ptr, E, TOP_K: tl.constexpr, K_P2: tl.constexpr,
@@ -129,12 +133,13 @@ if HAS_TRITON:
         return e, offs_m, pair, pair < N_PAIRS
 
     @triton.jit
-    def _moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr, N_PAIRS,
+    def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr, N_PAIRS,
                             stride_x, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr):
-        """FP8: w is e4m3 with scales ws [E, 2 * IB, KB] (gate rows' scale rows, then up rows'); BLOCK_K is the
-        activation group, so each K step quantises the gathered x tile and rescales its products once."""
+                            PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr):
+        """FP8: x is e4m3 with scales xs [T, KB] (quantised per token and group), w e4m3 with scales
+        ws [E, 2 * IB, KB] (gate rows' scale rows, then up rows'); BLOCK_K is the group, so each K step rescales
+        its products once."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -150,6 +155,7 @@ if HAS_TRITON:
         KB: tl.constexpr = (H + BLOCK_K - 1) // BLOCK_K
         IB: tl.constexpr = (I + GROUP_N - 1) // GROUP_N
         gs_ptrs = ws_ptr + e * (2 * IB * KB) + (n // GROUP_N) * KB
+        xs_ptrs = xs_ptr + tok * KB
         us_ptrs = gs_ptrs + IB * KB
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -164,11 +170,11 @@ if HAS_TRITON:
                 wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
-                q, s = quantize_rows(a.to(tl.float32))
+                s = tl.load(xs_ptrs + kb, mask=valid, other=0.0)
                 sg = tl.load(gs_ptrs + kb, mask=n_ok, other=0.0)
                 su = tl.load(us_ptrs + kb, mask=n_ok, other=0.0)
-                acc_g += tl.dot(q, wg) * (s[:, None] * sg[None, :])
-                acc_u += tl.dot(q, wu) * (s[:, None] * su[None, :])
+                acc_g += group_dot(a, wg, s, sg, DOT)
+                acc_u += group_dot(a, wu, s, su, DOT)
             else:
                 acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
                 acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
@@ -180,11 +186,12 @@ if HAS_TRITON:
         tl.store(out_ptrs, act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
 
     @triton.jit
-    def _moe_down_kernel(inter_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr,
+    def _moe_down_kernel(inter_ptr, is_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr,
                          N_PAIRS, H: tl.constexpr, I: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr):
-        """FP8: w is e4m3 with scales ws [E, HB, KB]; `inter` is quantised per row and group as it is read."""
+                         PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr):
+        """FP8: `inter` is e4m3 with scales is [P_max, KB] (per row and group), w e4m3 with scales
+        ws [E, HB, KB]."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -198,6 +205,7 @@ if HAS_TRITON:
         KB: tl.constexpr = (I + BLOCK_K - 1) // BLOCK_K
         HB: tl.constexpr = (H + GROUP_N - 1) // GROUP_N
         ws_ptrs = ws_ptr + e * (HB * KB) + (n // GROUP_N) * KB
+        is_ptrs = is_ptr + offs_m.to(tl.int64) * KB
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kb in range(KB):
             if I % BLOCK_K == 0:
@@ -208,9 +216,9 @@ if HAS_TRITON:
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
-                q, s = quantize_rows(a.to(tl.float32))
+                s = tl.load(is_ptrs + kb)
                 sw = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
-                acc += tl.dot(q, w) * (s[:, None] * sw[None, :])
+                acc += group_dot(a, w, s, sw, DOT)
             else:
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
@@ -362,7 +370,7 @@ def _configs(n_pairs: int, num_experts: int):
 
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
-                         block_m=None, gate_up_cfg=None, down_cfg=None, align_kernel=None, buf=None):
+                         block_m=None, gate_up_cfg=None, down_cfg=None, align_kernel=None, buf=None, dot=1):
     """The Triton path (see the module docstring). The keyword arguments after the FP8 ones override tiling and
     the align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group."""
     T, H = x.shape
@@ -382,19 +390,23 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     fp8 = block is not None
     group_n = block[0] if fp8 else 1
+    # FP8: activations are quantised once per token (x) and per pair (SiLU(gate) * up, rows up to `total`)
+    xq, xs = quantize_activations_triton(x, block[1]) if fp8 else (x, x)
     inter = torch.empty(sorted_ids.shape[0], inter_size, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = gu
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, bn))](
-        x, gate_up, gate_up_scale if fp8 else gate_up, inter, sorted_ids, block_expert, total, n_pairs, x.stride(0),
+        xq, xs, gate_up, gate_up_scale if fp8 else gate_up, inter, sorted_ids, block_expert, total, n_pairs,
+        xq.stride(0),
         TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
-        PRECISION=precision, FP8=fp8, GROUP_N=group_n, num_warps=warps, num_stages=stages)
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, num_warps=warps, num_stages=stages)
     if buf is None:
         buf = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
+    inter_q, inter_s = quantize_activations_triton(inter, block[1], rows=total) if fp8 else (inter, inter)
     bn, bk, warps, stages = dn
     _moe_down_kernel[(num_blocks, triton.cdiv(H, bn))](
-        inter, down, down_scale if fp8 else down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
+        inter_q, inter_s, down, down_scale if fp8 else down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
         H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
-        PRECISION=precision, FP8=fp8, GROUP_N=group_n, num_warps=warps, num_stages=stages)
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, num_warps=warps, num_stages=stages)
     if top_k == 1:
         return buf.view(T, H)
     return buf.view(T, top_k, H).sum(1)
