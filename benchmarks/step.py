@@ -154,6 +154,19 @@ def profile_prefill(cfg, model, args, count: int, length: int) -> None:
     print(events.table(sort_by=sort, row_limit=25, max_name_column_width=60))
 
 
+def host_profile_prefill(cfg, model, args, count: int, length: int) -> None:
+    """Where the host time of one more prefill run of the shape goes: cProfile's top functions by own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    r = tandem_prefill(cfg, model, args, count, length)
+    prof.disable()
+    print(f"  host profile: {r['ms']:.1f} ms wall (under cProfile)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def prompt(i: int, length: int, vocab: int) -> list[int]:
     return [(7 * i + j) % vocab for j in range(length)]
 
@@ -431,6 +444,7 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--bandwidth-gbs", type=float, default=4250.0, help="memory bandwidth for the floor")
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of a few profiled steps")
+    ap.add_argument("--host-profile", action="store_true", help="also print where a prefill run's host time goes")
     ap.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     args = ap.parse_args()
 
@@ -468,6 +482,8 @@ def main():
                   f"(first run, compiling: {cold['ms']:.0f} ms)")
             if args.profile:
                 profile_prefill(cfg, model, args, count, length)
+            if args.host_profile:
+                host_profile_prefill(cfg, model, args, count, length)
 
     if args.hf_peer:
         vocab = cfg.vocab_size

@@ -114,8 +114,9 @@ def test_fused_experts_skewed_cpu_interpreter(pattern):
 
 
 def test_align_many_chunks_cpu_interpreter():
-    """A non-power-of-two expert count (40, E_P2 64: histogram chunks of 256 pairs) with 600 pairs: several
-    histogram chunks and rank chunks (256), and one expert owning more blocks than one block chunk (32)."""
+    """A non-power-of-two expert count (40, E_P2 64) with 600 pairs (a 1024-key sort with 424 padding keys), more
+    than one sentinel fill (FILL 1024: up to 600 + 40 * 15 slots at block_m 16), and one expert owning more blocks
+    than one block chunk (16)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter case runs where there is no GPU")
     g = torch.Generator().manual_seed(3)
@@ -150,7 +151,7 @@ ALIGN_PATTERNS = ["random", "spread", "one_pair", "fewer_pairs", "one_expert", "
 @pytest.mark.parametrize("E", [6, 16, 40])
 @pytest.mark.parametrize("pattern", ALIGN_PATTERNS)
 def test_align_kernel_cpu_interpreter(pattern, E):
-    """The one-program-per-expert kernel against the torch path over block_m 16, 32, 64: E not a power of two,
+    """The one-program kernel against the torch path over block_m 16, 32, 64: E not a power of two,
     fewer pairs than experts, a single pair, everything on one expert, experts with no pairs."""
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter case runs where there is no GPU")

@@ -34,4 +34,4 @@ class MTPHead(nn.Module):
         """next_token_embeds, hidden: [T, H] -> post-norm MTP hidden [T, H] (feed to lm_head, or to the next
         recursion step as `hidden`). `batch.positions` are the positions t of `hidden`."""
         u = self.fc(torch.cat([self.pre_fc_norm_embedding(next_token_embeds), self.pre_fc_norm_hidden(hidden)], -1))
-        return self.norm(self.layers[0](u, batch, inv_freq, kv_cache))
+        return self.norm.residual(*self.layers[0](u, None, batch, inv_freq, kv_cache))[1]

@@ -36,8 +36,9 @@ from tandem.ops.attention import paged_attention, write_kv
 from tandem.ops.fp8 import FP8_DTYPE, scale_shape, w8a8_linear
 from tandem.ops.gdn import causal_conv1d, gated_delta_rule
 from tandem.ops.moe import fused_experts, route_logits
-from tandem.ops.norm import gated_rms_norm, rms_norm_1p
-from tandem.ops.rope import apply_partial_rope, inv_frequencies
+from tandem.ops.norm import add_rms_norm_1p, gated_rms_norm, rms_norm_1p
+from tandem.ops.pointwise import gdn_gates, sigmoid_gate, silu_mul
+from tandem.ops.rope import inv_frequencies, qk_norm_rope, rope_tables
 from tandem.parallel import SINGLE, Split, TPGroup
 
 
@@ -51,6 +52,10 @@ class RMSNorm1p(nn.Module):
 
     def forward(self, x):
         return rms_norm_1p(x, self.weight, self.eps)
+
+    def residual(self, h, delta):
+        """(h + delta, its norm), one pass: the residual add of the block before, then this norm."""
+        return add_rms_norm_1p(h, delta, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -217,8 +222,7 @@ class GatedDeltaNet(_FusedProjections):
         mixed_qkv, z, b, a = self.project(x)
         qkv = causal_conv1d(mixed_qkv, conv_state, self.conv1d.weight[:, 0, :], batch)
         q, k, v = qkv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # log-decay (fp32) and write strength
         o = gated_delta_rule(
             q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk), v.view(T, self.nv, self.dv),
             g, beta, recurrent_state, batch,
@@ -250,11 +254,12 @@ class GatedAttention(_FusedProjections):
         T = x.shape[0]
         q_gate, k, v = self.project(x)
         q, gate = q_gate.view(T, self.nh, 2 * self.hd).chunk(2, dim=-1)
-        q = apply_partial_rope(self.q_norm(q), batch.positions, inv_freq)
-        k = apply_partial_rope(self.k_norm(k.view(T, self.nkv, self.hd)), batch.positions, inv_freq)
+        cos, sin = rope_tables(batch, inv_freq, x.dtype)
+        q, k = qk_norm_rope(q, k.view(T, self.nkv, self.hd), self.q_norm.weight, self.k_norm.weight,
+                            self.q_norm.eps, cos, sin)
         write_kv(k_cache, v_cache, batch.slot_mapping, k, v.view(T, self.nkv, self.hd))
         o = paged_attention(q, k_cache, v_cache, batch, self.hd**-0.5)
-        return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)))
+        return self.o_proj(sigmoid_gate(o.reshape(T, -1), gate))
 
 
 class MLP(_FusedProjections):
@@ -272,7 +277,7 @@ class MLP(_FusedProjections):
 
     def swiglu_down(self, gate, up):
         """The rest of the MLP, from the gate and up projections of its input."""
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 class Experts(nn.Module):
@@ -291,19 +296,21 @@ class Experts(nn.Module):
         self.block: tuple[int, int] | None = None
         self.tp_splits = {"gate_up_proj": Split(0), "down_proj": Split(0)}
 
-    def forward(self, x, weights, experts):
-        """Sum of `weight * expert(x)` over the (token, expert) pairs routed to this rank's experts."""
+    def forward(self, x, weights, experts, shared, shared_logit):
+        """Sum of `weight * expert(x)` over the (token, expert) pairs routed to this rank's experts, plus the
+        gated shared expert `sigmoid(shared_logit) * shared` (added in the same pass on one rank)."""
         local = self.gate_up_proj.shape[0]
         fp8 = dict(gate_up_scale=self.gate_up_proj_scale_inv, down_scale=self.down_proj_scale_inv, block=self.block)
         if local == self.num_experts:
-            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **fp8)
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **fp8, shared=shared,
+                                 shared_logit=shared_logit)
         tok, k = ((experts >= self.first) & (experts < self.first + local)).nonzero(as_tuple=True)
         out = torch.zeros_like(x)
         if tok.numel():  # each pair as a row of its own with top-1 routing, experts renumbered from 0
             y = fused_experts(x[tok], self.gate_up_proj, self.down_proj, weights[tok, k, None],
                               experts[tok, k, None] - self.first, **fp8)
             out.index_add_(0, tok, y)
-        return out
+        return out + torch.sigmoid(shared_logit) * shared
 
 
 class Router(nn.Module):
@@ -338,7 +345,7 @@ class SparseMoE(_FusedProjections):
         weights, experts = route_logits(router_logits, self.top_k, self.renormalize)
         shared = self.shared_expert.swiglu_down(shared_gate, shared_up)
         # the gate is replicated, so gate * (partial shared sum) is this rank's part of the gated shared expert
-        return self.experts(x, weights, experts) + torch.sigmoid(shared_logit) * shared
+        return self.experts(x, weights, experts, shared, shared_logit)
 
 
 class DecoderLayer(nn.Module):
@@ -356,14 +363,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, batch: ForwardBatch, inv_freq, cache):
-        x = self.input_layernorm(h)
+    def forward(self, h, delta, batch: ForwardBatch, inv_freq, cache):
+        """The residual stream is `h + delta` (delta: the previous block's output, not yet added; None before the
+        first block); returns the same pair after this layer, so each add runs in the pass of the next norm."""
+        h, x = (h, self.input_layernorm(h)) if delta is None else self.input_layernorm.residual(h, delta)
         if self.is_attention:
             mixed = self.self_attn(x, batch, inv_freq, *cache)
         else:
             mixed = self.linear_attn(x, batch, *cache)
-        h = h + self.tp.all_reduce(mixed)  # mixers and FFNs return this rank's partial sum
-        return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
+        h, x = self.post_attention_layernorm.residual(h, self.tp.all_reduce(mixed))  # partial sums, all-reduced
+        return h, self.tp.all_reduce(self.mlp(x))
 
 
 class Trunk(nn.Module):
@@ -395,10 +404,10 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, caches) -> torch.Tensor:
         """Returns the final post-norm hidden state of every token, [T, H]. `caches[i]` is layer i's
         (k_cache, v_cache) or (conv_state, recurrent_state)."""
-        h = self.model.embed_tokens(batch.input_ids)
+        h, delta = self.model.embed_tokens(batch.input_ids), None
         for layer, cache in zip(self.model.layers, caches):
-            h = layer(h, batch, self.inv_freq, cache)
-        return self.model.norm(h)
+            h, delta = layer(h, delta, batch, self.inv_freq, cache)
+        return self.model.norm.residual(h, delta)[1]
 
     @torch.no_grad()
     def fuse_projections(self) -> Qwen3_5ForCausalLM:

@@ -11,8 +11,9 @@ launches: `_quantize_groups_kernel` writes x's e4m3 values and per-group scales 
 reference's values bit for bit), then `_w8a8_kernel` streams the weight through the tensor cores. Each group's
 e4m3 product is accumulated in fp32 at every K=32 step (`max_num_imprecise_acc=0`: Hopper's default fast
 accumulation keeps fewer mantissa bits over a long dot) and rescaled by `s_x * s_w` into an fp32 accumulator.
-At decode sizes (few rows) the GEMM is split over K so every SM streams weight; the fp32 partials are summed in a
-fixed order (deterministic, no atomics). Quantising inside the GEMM instead cost each N tile a re-quantisation of
+At decode sizes (few rows) the GEMM is split over K so every SM streams weight; the last program of each tile to
+finish (an arrival counter) adds the fp32 partials in split order, so the split costs no extra launch and stays
+deterministic. Quantising inside the GEMM instead cost each N tile a re-quantisation of
 the whole activation row, which made the GEMM 3-5x slower at decode.
 """
 
@@ -121,11 +122,13 @@ if HAS_TRITON:
         tl.store(s_ptr + r * KB + g, sc, mask=g < KB)
 
     @triton.jit
-    def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
-                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     KB_PER_SPLIT: tl.constexpr, DOT: tl.constexpr):
-        """out[S, M, N] (fp32 partial sums of S = grid(2) splits of the K groups) or out[M, N] (S = 1, x's
-        dtype) = xq[M, K] @ w[N, K]^T, a K step per activation group, each rescaled by its two scales."""
+    def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N: tl.constexpr,
+                     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):
+        """out[M, N] = xq[M, K] @ w[N, K]^T, a K step per activation group, each rescaled by its two scales.
+        SPLIT > 1: program (m, n, s) takes groups [s * KB_PER_SPLIT, (s + 1) * KB_PER_SPLIT), stores its fp32
+        partial in part[s] and counts itself in its tile's counter; the last of the tile's SPLIT programs to
+        arrive adds the partials in split order (deterministic) and resets the counter for the next launch."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -150,8 +153,19 @@ if HAS_TRITON:
             acc += group_dot(a, w, xs, ws, DOT)
             x_ptrs += GROUP_K
             w_ptrs += GROUP_K
-        out_ptrs = out_ptr + pid_s.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        ok = m_ok[:, None] & n_ok[None, :]
+        mn = m[:, None].to(tl.int64) * N + n[None, :]
+        if SPLIT > 1:
+            tl.store(part_ptr + pid_s.to(tl.int64) * M * N + mn, acc, mask=ok)
+            tile = pid_m * tl.num_programs(1) + pid_n
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:  # the others' partials are out
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in range(SPLIT):
+                    acc += tl.load(part_ptr + s * M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + mn, acc.to(out_ptr.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(count_ptr + tile, 0)
+        else:
+            tl.store(out_ptr + mn, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def quantize_activations(x: torch.Tensor, group: int):
@@ -201,6 +215,20 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
+_TILE_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters of split-K tiles, one buffer per device that every GEMM shares (they run one
+    after another on a stream, and each leaves its counters at zero). A larger buffer, when needed, is added and
+    the old ones kept: a captured CUDA graph may point at them. (`_gemm_tiles` splits only grids of fewer than
+    two programs per SM, so the first buffer serves.)"""
+    bufs = _TILE_COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < tiles:
+        bufs.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
 def _gemm_tiles(M: int, N: int, KB: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, K splits, warps, stages). Few rows (decode): the GEMM streams the weight, so N tiles
     are narrowed, then K split, until there are about two programs per SM; many rows: large tiles for the
@@ -217,8 +245,8 @@ def _gemm_tiles(M: int, N: int, KB: int, sms: int) -> tuple[int, int, int, int, 
 
 
 def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=1):
-    """The kernel path: x quantised by one launch, then the GEMM (and, split over K, a sum of the fp32 partials
-    in a fixed order). `tiles` = (BLOCK_M, BLOCK_N, K splits, warps, stages) overrides the choice (tests)."""
+    """The kernel path: x quantised by one launch, then the GEMM (split over K when `tiles` or the choice says
+    so). `tiles` = (BLOCK_M, BLOCK_N, K splits, warps, stages) overrides the choice (tests)."""
     N, K = w.shape
     if x.shape[-1] != K or tuple(scale_inv.shape) != scale_shape(w.shape, block):
         raise ValueError(f"w8a8_linear: x {tuple(x.shape)}, w {tuple(w.shape)}, scale_inv "
@@ -232,11 +260,11 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=1):
     per_split = cdiv(kb, split)
     split = cdiv(kb, per_split)
     xq, xs = quantize_activations_triton(x2, block[1])
-    out = torch.empty((split, M, N) if split > 1 else (M, N), dtype=torch.float32 if split > 1 else x.dtype,
-                      device=x.device)
-    _w8a8_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
-        xq, xs, w, scale_inv, out, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1], BLOCK_M=bm, BLOCK_N=bn,
-        KB_PER_SPLIT=per_split, DOT=dot, num_warps=warps, num_stages=stages)
-    if split > 1:
-        out = out.sum(0).to(x.dtype)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    part, counts = (torch.empty(split, M, N, dtype=torch.float32, device=x.device),
+                    _tile_counters(x.device, grid[0] * grid[1])) if split > 1 else (out, out)
+    _w8a8_kernel[grid](xq, xs, w, scale_inv, out, part, counts, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1],
+                       BLOCK_M=bm, BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot, num_warps=warps,
+                       num_stages=stages)
     return out.view(*x.shape[:-1], N)

@@ -13,11 +13,9 @@ CUDA graph:
    sentinel in the padding), `block_expert [P_max / BLOCK_M]` (the expert of each block) and `total [1]` (the
    padded count). P_max = T*top_k + min(E, T*top_k) * (BLOCK_M - 1), rounded up to BLOCK_M, is the worst case and
    known on the host; blocks at or past `total` exit at once (so the align leaves them unwritten). Small batches
-   use one Triton launch of one program per expert: each program builds the histogram of all experts itself
-   (replicated, so no second launch and no atomics), takes its own expert's padded start from it, ranks its
-   own expert's pairs in pair order (deterministic) and writes its own segment, padding and block entries;
-   program 0 writes `total`. Large batches use sort-based torch ops with the same layout (also sync-free;
-   launch count does not matter at prefill sizes).
+   use one Triton program: a histogram of the experts, then a sort of (expert, pair) keys in registers places
+   each pair (within an expert in pair order: deterministic). Large batches use sort-based torch ops with the
+   same layout (also sync-free; launch count does not matter at prefill sizes).
 3. `_moe_gate_up_kernel`: a grouped GEMM over (block, I tile): gathers the block's token rows of x, multiplies by
    the block's expert's gate and up rows (two fp32 accumulators) and writes SiLU(gate) * up to `inter [P_max, I]`.
    Only experts that received tokens own blocks, so at decode only the routed experts' weights are read.
@@ -34,10 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from tandem.ops.fp8 import w8a8_linear_torch
+from tandem.ops.pointwise import gated_sum, silu_mul_torch
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
-# Up to this many (token, slot) pairs the align step is one Triton launch (a program per expert, each of which
-# recounts all the pairs); above it, sort-based torch ops.
+# Up to this many (token, slot) pairs the align step is one Triton program (it sorts them all in registers);
+# above it, sort-based torch ops.
 ALIGN_TRITON_MAX_PAIRS = 1024
 
 if HAS_TRITON:
@@ -74,54 +73,40 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_align_kernel(experts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, E_P2: tl.constexpr,
-                          BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, RANK_CHUNK: tl.constexpr,
-                          B_CHUNK: tl.constexpr):
-        """One program per expert (grid (E,)), all in one launch. Each program counts the pairs of every expert
-        itself (the histogram is replicated, not shared: no second launch, no atomics), takes its own expert's
-        padded start from the padded counts of the experts before it, then walks the pairs again for its own
-        expert only: a pair's rank is the exclusive cumsum of the expert's mask within the chunk plus the running
-        count across chunks, so within an expert pairs follow pair order (deterministic, the same layout as
-        `_moe_align_torch`). It fills its own segment's padding with the sentinel N and its own blocks'
-        block_expert entries; program 0 stores `total`. Blocks at or past `total` are written by no program: the
-        GEMM kernels return before reading them (pid_m * BLOCK_M >= total). Sizes are runtime arguments: one
-        compilation serves every batch size."""
-        me = tl.program_id(0)
-        ex = tl.arange(0, E_P2)
-        # while loops: the interpreter cannot take a runtime value as a range() bound
-        counts = tl.zeros([E_P2], tl.int32)
-        c = 0
-        while c < N:
-            i = c + tl.arange(0, CHUNK)
-            e = tl.load(experts_ptr + i, mask=i < N, other=-1).to(tl.int32)
-            counts += tl.sum((e[:, None] == ex[None, :]).to(tl.int32), axis=0)
-            c += CHUNK
-        # columns past E (E need not be a power of two) count nothing, as expert ids are < E: their padded
-        # counts are 0 and they add nothing to a start or to total; no program owns them (grid (E,))
+                          N_P2: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr, B_CHUNK: tl.constexpr):
+        """One program for all N <= N_P2 pairs. The histogram gives each expert's padded segment; sorting the keys
+        expert * N_P2 + pair puts the pairs in expert order and, within an expert, in pair order (deterministic,
+        the layout of `_moe_align_torch`), so sorted position j lands at j + (padded start - unpadded start) of
+        its expert. The segments' padding holds the sentinel N: [0, total) is filled with it first, then the
+        pairs overwrite their slots (a barrier orders the two within the program). Block b's expert is the number
+        of experts whose segment ends at or before b * BLOCK_M. Blocks at or past `total` stay unwritten: the GEMM
+        kernels return before reading them (pid_m * BLOCK_M >= total)."""
+        i = tl.arange(0, N_P2)
+        real = i < N
+        e = tl.load(experts_ptr + i, mask=real, other=E_P2).to(tl.int32)  # padding sorts after every expert
+        counts = tl.histogram(e, E_P2, mask=real)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        start = tl.sum(tl.where(ex < me, padded, 0), axis=0)
-        count = tl.sum(tl.where(ex == me, counts, 0), axis=0)
-        my_padded = tl.sum(tl.where(ex == me, padded, 0), axis=0)
-        if me == 0:
-            tl.store(total_ptr, tl.sum(padded, axis=0))
-        seen = start
+        ends = tl.cumsum(padded, axis=0)
+        shift = ends - padded - (tl.cumsum(counts, axis=0) - counts)
+        total = tl.sum(padded, axis=0)
+        tl.store(total_ptr, total)
+        # while loops: the interpreter cannot take a runtime value as a range() bound
         c = 0
-        while c < N:
-            i = c + tl.arange(0, RANK_CHUNK)
-            e = tl.load(experts_ptr + i, mask=i < N, other=-1).to(tl.int32)
-            hit = (e == me).to(tl.int32)
-            rank = tl.cumsum(hit, axis=0) - hit
-            tl.store(sorted_ptr + seen + rank, i, mask=hit != 0)
-            seen += tl.sum(hit, axis=0)
-            c += RANK_CHUNK
-        # the padding of the segment holds the sentinel N (fewer than BLOCK_M slots)
-        j = tl.arange(0, BLOCK_M)
-        tl.store(sorted_ptr + start + count + j, tl.zeros([BLOCK_M], tl.int32) + N, mask=j < my_padded - count)
-        first = start // BLOCK_M
-        n_blocks = my_padded // BLOCK_M
+        while c < total:
+            f = c + tl.arange(0, FILL)
+            tl.store(sorted_ptr + f, tl.zeros([FILL], tl.int32) + N, mask=f < total)
+            c += FILL
+        tl.debug_barrier()
+        keys = tl.sort(e * N_P2 + i)
+        expert, pair = keys // N_P2, keys % N_P2
+        dest = i + tl.gather(shift, tl.minimum(expert, E_P2 - 1), 0)
+        tl.store(sorted_ptr + dest, pair, mask=real)  # sorted position i < N holds a real pair
+        n_blocks = total // BLOCK_M
         c = 0
         while c < n_blocks:
-            b = c + tl.arange(0, B_CHUNK)
-            tl.store(block_expert_ptr + first + b, tl.zeros([B_CHUNK], tl.int32) + me, mask=b < n_blocks)
+            blk = c + tl.arange(0, B_CHUNK)
+            owner = tl.sum((ends[None, :] <= blk[:, None] * BLOCK_M).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + blk, owner, mask=blk < n_blocks)
             c += B_CHUNK
 
     @triton.jit
@@ -244,13 +229,17 @@ def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool):
 
 
 def fused_experts(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None,
-                  block=None) -> torch.Tensor:
+                  block=None, shared=None, shared_logit=None) -> torch.Tensor:
     """x: [T, H]; weights, experts: [T, top_k] -> [T, H]. FP8 experts: e4m3 `gate_up` / `down` with their
-    scales and block (see `Experts`); activations are quantised per token and group of block[1] channels."""
+    scales and block (see `Experts`); activations are quantised per token and group of block[1] channels.
+    `shared` [T, H] and `shared_logit` [T, 1]: plus the gated shared expert, sigmoid(shared_logit) * shared
+    (the kernel path adds it in the pass that sums the experts' outputs)."""
     fp8 = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, block=block)
     if use_triton(x):
-        return fused_experts_triton(x, gate_up, down, weights, experts, **fp8)
-    return _fused_experts_torch(x, gate_up, down, weights, experts, **fp8)
+        return fused_experts_triton(x, gate_up, down, weights, experts, **fp8, shared=shared,
+                                    shared_logit=shared_logit)
+    out = _fused_experts_torch(x, gate_up, down, weights, experts, **fp8)
+    return out if shared is None else out + torch.sigmoid(shared_logit) * shared
 
 
 # ---------------------------------------------------------------------------------------------------- torch
@@ -286,7 +275,7 @@ def _fused_experts_torch(x, gate_up, down, weights, experts, gate_up_scale=None,
         gs, us, ds = (None, None, None) if half is None else \
             (gate_up_scale[e, :half], gate_up_scale[e, half:], down_scale[e])
         gate, up = _expert_linear(x[tok], gate_up[e, :I], gs, block), _expert_linear(x[tok], gate_up[e, I:], us, block)
-        y = _expert_linear(F.silu(gate) * up, down[e], ds, block) * w_of[start : start + n, None]
+        y = _expert_linear(silu_mul_torch(gate, up), down[e], ds, block) * w_of[start : start + n, None]
         out.index_add_(0, tok, y.to(out.dtype))
         start += n
     return out
@@ -332,11 +321,12 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel:
             sorted_ids, block_expert, total = out
             assert sorted_ids.shape == (p_max,) and block_expert.shape == (p_max // block_m,)
             assert total.shape == (1,) and {t.dtype for t in out} == {torch.int32}
-        e_p2 = triton.next_power_of_2(num_experts)
-        # the histogram's [CHUNK, E_P2] one-hot: 16K elements up to E_P2 = 1024 (CHUNK 16 there and beyond)
-        chunk = min(1024, max(16, 16384 // e_p2))
-        _moe_align_kernel[(num_experts,)](flat.contiguous(), sorted_ids, block_expert, total, n, E_P2=e_p2,
-                                          BLOCK_M=block_m, CHUNK=chunk, RANK_CHUNK=256, B_CHUNK=32, num_warps=4)
+        if n:
+            _moe_align_kernel[(1,)](flat.contiguous(), sorted_ids, block_expert, total, n,
+                                    E_P2=triton.next_power_of_2(num_experts), N_P2=max(16, triton.next_power_of_2(n)),
+                                    BLOCK_M=block_m, FILL=1024, B_CHUNK=16, num_warps=4)
+        else:
+            total.zero_()
         return sorted_ids, block_expert, total
     assert out is None, "out is for the kernel path"
     return _moe_align_torch(flat, num_experts, block_m, p_max)
@@ -370,9 +360,11 @@ def _configs(n_pairs: int, num_experts: int):
 
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
-                         block_m=None, gate_up_cfg=None, down_cfg=None, align_kernel=None, buf=None, dot=1):
-    """The Triton path (see the module docstring). The keyword arguments after the FP8 ones override tiling and
-    the align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group."""
+                         shared=None, shared_logit=None, block_m=None, gate_up_cfg=None, down_cfg=None,
+                         align_kernel=None, buf=None, dot=1):
+    """The Triton path (see the module docstring). The keyword arguments after the shared expert's override
+    tiling and the align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the
+    activation group."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     inter_size = two_i // 2
@@ -407,6 +399,8 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
         inter_q, inter_s, down, down_scale if fp8 else down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
         H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
         PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, num_warps=warps, num_stages=stages)
+    if shared is not None:
+        return gated_sum(buf.view(T, top_k, H), shared, shared_logit)
     if top_k == 1:
         return buf.view(T, H)
     return buf.view(T, top_k, H).sum(1)

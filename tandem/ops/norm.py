@@ -1,6 +1,8 @@
 """RMS norms of Qwen3.5: a torch reference and a Triton kernel for each, behind one dispatch.
 
 - `rms_norm_1p`: zero-centred weight, `x * rsqrt(mean(x^2) + eps) * (1 + w)`, computed in fp32.
+- `add_rms_norm_1p`: the residual add before it, `h = h + delta` (rounded to the model dtype), and the norm of that
+  h, in one pass.
 - `gated_rms_norm`: the GDN output norm, plain weight, applied per value head before the gate:
   `w * rms(o) * silu(z)`.
 """
@@ -25,6 +27,20 @@ if HAS_TRITON:
         tl.store(out_ptr + row * n_cols + cols, (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _add_rms_norm_1p_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (h + d).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
+        x = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -43,6 +59,13 @@ def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return rms_norm_1p_triton(x, weight, eps) if use_triton(x) else rms_norm_1p_torch(x, weight, eps)
 
 
+def add_rms_norm_1p(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """-> (h + delta, rms_norm_1p(h + delta))."""
+    if use_triton(h):
+        return add_rms_norm_1p_triton(h, delta, weight, eps)
+    return add_rms_norm_1p_torch(h, delta, weight, eps)
+
+
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return gated_rms_norm_triton(x, z, weight, eps) if use_triton(x) else gated_rms_norm_torch(x, z, weight, eps)
 
@@ -51,6 +74,11 @@ def rms_norm_1p_torch(x, weight, eps):
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (out * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_rms_norm_1p_torch(h, delta, weight, eps):
+    h = h + delta
+    return h, rms_norm_1p_torch(h, weight, eps)
 
 
 def gated_rms_norm_torch(x, z, weight, eps):
@@ -76,3 +104,11 @@ def gated_rms_norm_triton(x, z, weight, eps):
     z2 = z.reshape(-1, z.shape[-1]).contiguous()
     _gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, out, x2.shape[1], eps, BLOCK=block)
     return out.view(x.shape)
+
+
+def add_rms_norm_1p_triton(h, delta, weight, eps):
+    h2, out, block = _rows(h)
+    total = torch.empty_like(h2)
+    _add_rms_norm_1p_kernel[(h2.shape[0],)](h2, delta.reshape(h2.shape).contiguous(), weight, total, out,
+                                            h2.shape[1], eps, BLOCK=block)
+    return total.view(h.shape), out.view(h.shape)

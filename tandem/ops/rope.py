@@ -1,9 +1,55 @@
-"""Partial rotary embedding (rotate-half) over the first `rotary_dim` dims of each head.
+"""Partial rotary embedding (rotate-half) over the first `rotary_dim` dims of each head, after the per-head q / k
+RMSNorm1p of gated attention.
 
 Qwen3.5's interleaved mRoPE sections collapse to plain 1-D RoPE for text (all three position axes are equal).
+
+`rope_tables(batch, inv_freq, dtype)` makes the cos / sin tables of the batch's positions once per forward (every
+attention layer shares them). `qk_norm_rope` is the dispatch: the torch reference (norm, then rotate) or one Triton
+launch for all q and k heads of a layer, which rounds to the model dtype where the reference does (the normed
+head, the cos / sin tables, each product and their sum).
 """
 
 import torch
+
+from tandem.model.batch import ForwardBatch
+from tandem.ops.norm import rms_norm_1p
+from tandem.ops.triton_utils import HAS_TRITON, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stride_qh,
+                             stride_kt, stride_kh, NH, NKV, eps, HD: tl.constexpr, HALF: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        """Program (t, h): query head h of token t for h < NH, else key head h - NH."""
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        if h < NH:
+            x_ptr, w_ptr, o_ptr = q_ptr + t * stride_qt + h * stride_qh, qw_ptr, qo_ptr + (t * NH + h) * HD
+        else:
+            x_ptr, w_ptr = k_ptr + t * stride_kt + (h - NH) * stride_kh, kw_ptr
+            o_ptr = ko_ptr + (t * NKV + h - NH) * HD
+        d = tl.arange(0, BLOCK)
+        ok = d < HD
+        dt = o_ptr.dtype.element_ty
+        x = tl.load(x_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
+        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        normed = (x * inv * (1.0 + w)).to(dt).to(tl.float32)
+        # rotate-half partner of each rotary dim: -x[d + HALF] below HALF, x[d - HALF] above
+        rot = d < 2 * HALF
+        p = tl.where(d < HALF, d + HALF, d - HALF)
+        xp = tl.load(x_ptr + p, mask=rot, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + p, mask=rot, other=0.0).to(tl.float32)
+        partner = (xp * inv * (1.0 + wp)).to(dt).to(tl.float32)
+        partner = tl.where(d < HALF, -partner, partner)
+        j = tl.where(d < HALF, d, d - HALF)
+        c = tl.load(cos_ptr + t * HALF + j, mask=rot, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * HALF + j, mask=rot, other=0.0).to(tl.float32)
+        rotated = (normed * c).to(dt).to(tl.float32) + (partner * s).to(dt).to(tl.float32)
+        tl.store(o_ptr + d, tl.where(rot, rotated, normed).to(dt), mask=ok)
 
 
 def inv_frequencies(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -11,16 +57,46 @@ def inv_frequencies(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rope_tables(batch: ForwardBatch, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """(cos, sin) [T, rotary_dim / 2] in `dtype` for the batch's positions (fp32 angles), made by the first
+    attention layer of a forward and kept in `batch.derived` for the others."""
+    key = ("rope", inv_freq.data_ptr(), dtype)
+    if key not in batch.derived:
+        freqs = batch.positions.float()[:, None] * inv_freq[None, :]
+        batch.derived[key] = (freqs.cos().to(dtype), freqs.sin().to(dtype))
+    return batch.derived[key]
 
 
-def apply_partial_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; positions: [T]."""
-    rotary_dim = 2 * inv_freq.shape[0]
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-    rot, keep = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((rot * cos + _rotate_half(rot) * sin, keep), dim=-1)
+def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin):
+    """q [T, nh, hd], k [T, nkv, hd] (strided views are fine) -> RoPE(RMSNorm1p(q)), RoPE(RMSNorm1p(k)),
+    contiguous."""
+    if use_triton(q):
+        return qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin)
+    return qk_norm_rope_torch(q, k, q_weight, k_weight, eps, cos, sin)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, rotary_dim / 2] in x's dtype."""
+    half = cos.shape[1]
+    cos, sin = torch.cat((cos, cos), -1)[:, None, :], torch.cat((sin, sin), -1)[:, None, :]
+    rot, keep = x[..., : 2 * half], x[..., 2 * half :]
+    rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + rotated_half * sin, keep), dim=-1)
+
+
+def qk_norm_rope_torch(q, k, q_weight, k_weight, eps, cos, sin):
+    return (apply_partial_rope(rms_norm_1p(q, q_weight, eps), cos, sin),
+            apply_partial_rope(rms_norm_1p(k, k_weight, eps), cos, sin))
+
+
+def qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin):
+    T, nh, hd = q.shape
+    nkv = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    q_out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(T, nkv, hd, dtype=k.dtype, device=k.device)
+    if T:
+        _qk_norm_rope_kernel[(T, nh + nkv)](
+            q, k, q_weight, k_weight, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            nh, nkv, eps, HD=hd, HALF=cos.shape[1], BLOCK=triton.next_power_of_2(hd))
+    return q_out, k_out
