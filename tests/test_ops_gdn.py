@@ -98,15 +98,23 @@ def run_gdn(fn, W, lens, nk, nv, dk, dv, dtype, device, tol, seed, fla_long=(), 
             assert torch.equal(got_state[s], before[s]), s
 
 
-def run_conv(fn, W, lens, C, K, dtype, device, tol, seed, **kw):
+def run_conv(fn, W, lens, C, K, dtype, device, tol, seed, splits=None, **kw):
+    """With `splits`, fn returns the parts of the output, each contiguous (the planar layout fla reads)."""
     g = torch.Generator().manual_seed(seed)
     batch, slots = make_batch(lens, W, device, g)
     x, conv_state, weight = conv_inputs(sum(lens), C, K, slots, dtype, device, g)
     ref_state, got_state, before = conv_state.clone(), conv_state.clone(), conv_state.clone()
     ref = gdn._causal_conv1d_torch(x, ref_state, weight, batch)
     out = torch.full_like(x, float("nan"))
-    got = fn(x, got_state, weight, batch, out=out, **kw)
-    assert got is out and not got.isnan().any()
+    got = fn(x, got_state, weight, batch, splits=splits, out=out, **kw)
+    if splits is None:
+        assert got is out
+    else:  # the parts tile out's storage in order
+        assert [p.shape for p in got] == [(x.shape[0], w) for w in splits] and all(p.is_contiguous() for p in got)
+        assert got[0].data_ptr() == out.data_ptr() and torch.equal(torch.cat([p.reshape(-1) for p in got]),
+                                                                    out.reshape(-1))
+        got = torch.cat(got, dim=1)
+    assert not got.isnan().any()
     check_close(got, ref, tol)
     written = touched(batch, lens, W)
     for s in range(slots):
@@ -151,6 +159,10 @@ def test_conv1d_kernel_cpu_interpreter(W):
     # programs (the default split) or over both programs and loop iterations (split=2)
     run_conv(gdn.causal_conv1d_triton, W, LENS[W], 48, 4, torch.float32, "cpu", FP32, seed=10 + W, block_c=32)
     run_conv(gdn.causal_conv1d_triton, W, LENS[W], 48, 4, torch.float32, "cpu", FP32, seed=12 + W, split=2)
+    # q | k | v parts, narrower than a channel block and not aligned to one
+    run_conv(gdn.causal_conv1d_triton, W, LENS[W], 48, 4, torch.float32, "cpu", FP32, seed=14 + W, block_c=32,
+             splits=[12, 12, 24])
+    run_conv(gdn.causal_conv1d_triton, W, LENS[W], 48, 4, torch.float32, "cpu", FP32, seed=16 + W, splits=[40, 8])
 
 
 @cpu_only
@@ -182,9 +194,21 @@ def _dispatch_gdn(q, k, v, gate, beta, state, batch, out):
     return out
 
 
-def _dispatch_conv(x, conv_state, weight, batch, out):
-    out.copy_(gdn.causal_conv1d(x, conv_state, weight, batch))
-    return out
+def _dispatch_conv(x, conv_state, weight, batch, splits, out):
+    got = gdn.causal_conv1d(x, conv_state, weight, batch, splits)
+    if splits is None:
+        return out.copy_(got)
+    flat = out.view(-1)  # the parts laid out one after another, as the kernel leaves them
+    flat.copy_(torch.cat([p.reshape(-1) for p in got]))
+    return _planar_views(flat, x.shape[0], splits)
+
+
+def _planar_views(flat, T, splits):
+    parts, start = [], 0
+    for w in splits:
+        parts.append(flat[start * T : (start + w) * T].view(T, w))
+        start += w
+    return parts
 
 
 @pytest.mark.gpu
@@ -214,6 +238,9 @@ def test_gdn_gpu_fla_prefill(W):
     fla_long = tuple(i for i, n in enumerate(lens) if n > gdn.FLA_MIN_ROWS)
     run_gdn(gdn.gated_delta_rule_gpu, W, lens, **QWEN, dtype=torch.bfloat16, device="cuda", tol=FLA_BF16, seed=70 + W,
             fla_long=fla_long)
+    # only long requests, through the dispatch: fla's output is returned as it is
+    run_gdn(_dispatch_gdn, W, [300, 129], **QWEN, dtype=torch.bfloat16, device="cuda", tol=FLA_BF16, seed=75 + W,
+            fla_long=(0, 1))
     # non-contiguous long requests (a decode between them)
     lens = [300, 1, 200, W]
     fla_long = (0, 2)
@@ -229,4 +256,5 @@ def test_conv1d_gpu(W, dtype, monkeypatch):
     tol = FP32 if dtype == torch.float32 else BF16
     lens = GPU_LENS[W] + [2048, 700]
     run_conv(_dispatch_conv, W, lens, 8192, 4, dtype, "cuda", tol, seed=90 + W)
+    run_conv(_dispatch_conv, W, lens, 8192, 4, dtype, "cuda", tol, seed=92 + W, splits=[2048, 2048, 4096])
     run_conv(gdn.causal_conv1d_triton, W, [1] * 32, 8192, 4, dtype, "cuda", tol, seed=95 + W)

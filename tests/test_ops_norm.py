@@ -33,6 +33,17 @@ def check(device, dtype, tol):
             assert (normed.double() - fp64_rms_norm_1p(total, w, 1e-6)).abs().max() <= tol
         for impl in (norm.gated_rms_norm_triton, norm.gated_rms_norm_torch):
             assert (impl(x, z, w, 1e-6).double() - fp64_gated(x, z, w, 1e-6)).abs().max() <= tol
+    # the GDN layout: [T, heads, n], the gate a strided view into a wider projection output (read in place); 37
+    # rows of 16 values: programs of 32 rows, the last one partly masked
+    g = torch.Generator().manual_seed(1)
+    T, heads, n = 37, 3, 16
+    x = torch.randn(T, heads, n, generator=g).to(device, dtype)
+    proj = torch.randn(T, 5 + heads * n, generator=g).to(device, dtype)
+    z, w = proj[:, 5:].view(T, heads, n), torch.randn(n, generator=g).to(device, dtype)
+    assert not z.is_contiguous()
+    for impl in (norm.gated_rms_norm_triton, norm.gated_rms_norm_torch):
+        out = impl(x, z, w, 1e-6)
+        assert out.shape == x.shape and (out.double() - fp64_gated(x, z, w, 1e-6)).abs().max() <= tol
 
 
 def test_norm_kernels_cpu_interpreter():

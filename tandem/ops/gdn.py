@@ -27,6 +27,8 @@ decode/verify batch). Assumption shared with the reference: distinct requests wr
 share the null slot, whose contents are garbage anyway).
 """
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -47,11 +49,14 @@ FLA_CHUNK = 64  # fla's chunk length (its default); the chunk indices we pass ar
 FLA_MIN_ROWS = 64
 
 
-def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """x: [T, C]; conv_state: [slots, C, K-1]; weight: [C, K] -> silu(conv(x)) [T, C]."""
+def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch,
+                  splits: list[int] | None = None):
+    """x: [T, C]; conv_state: [slots, C, K-1]; weight: [C, K] -> silu(conv(x)) [T, C], or with `splits` (channel
+    widths, at most 3) its parts, each contiguous: fla's prefill then reads q, k and v without copying them."""
     if use_triton(x):
-        return causal_conv1d_triton(x, conv_state, weight, batch)
-    return _causal_conv1d_torch(x, conv_state, weight, batch)
+        return causal_conv1d_triton(x, conv_state, weight, batch, splits)
+    out = _causal_conv1d_torch(x, conv_state, weight, batch)
+    return out if splits is None else tuple(p.contiguous() for p in out.split(splits, dim=-1))
 
 
 def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -163,13 +168,14 @@ if HAS_TRITON:
     @triton.jit
     def _causal_conv1d_kernel(
         x_ptr, cs_ptr, w_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
-        x_st, cs_ss, cs_sc, cs_sk, w_sc, w_sk, o_st, ws_st, C,
+        x_st, cs_ss, cs_sc, cs_sk, w_sc, w_sk, ws_st, C, T, S0, S1,
         K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
         BC: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, TILE_BOUND: tl.constexpr,
     ):
         """One program per (request, channel block, split); split p computes row tiles p, p+SPLIT, ... of its
         request. Only tile 0 reads the slot's inputs (BT >= K-1 whenever there is more than one tile), and split 0
-        writes the kept states after all its reads."""
+        writes the kept states after all its reads. The output is planar: channels [0, S0), [S0, S1) and [S1, C)
+        are three contiguous [T, width] blocks one after another (S0 = S1 = C: one [T, C] block)."""
         i = tl.program_id(0)
         cb = tl.program_id(1)
         p = tl.program_id(2)
@@ -178,6 +184,9 @@ if HAS_TRITON:
         slot = tl.load(slots_ptr + i).to(tl.int64)
         cols = cb * BC + tl.arange(0, BC)
         mc = cols < C
+        seg_start = tl.where(cols < S0, 0, tl.where(cols < S1, S0, S1)).to(tl.int64)
+        seg_width = tl.where(cols < S0, S0, tl.where(cols < S1, S1 - S0, C - S1))
+        out_cols = seg_start * T + cols - seg_start  # element (t, c) lies at out_cols[c] + t * seg_width[c]
         cs_dt = cs_ptr.dtype.element_ty
         w_dt = w_ptr.dtype.element_ty
         for it in range(TILE_BOUND):
@@ -199,8 +208,8 @@ if HAS_TRITON:
                     acc += win * wt[None, :]
                 y = acc.to(w_dt).to(tl.float32)  # the reference convolves and applies SiLU in the weight dtype
                 y = (y * tl.sigmoid(y)).to(w_dt)
-                tl.store(o_ptr + (start + rows)[:, None] * o_st + cols[None, :], y.to(o_ptr.dtype.element_ty),
-                         mask=mr[:, None] & mc[None, :])
+                tl.store(o_ptr + out_cols[None, :] + (start + rows)[:, None] * seg_width[None, :],
+                         y.to(o_ptr.dtype.element_ty), mask=mr[:, None] & mc[None, :])
         if p == 0:
             # The state after row j is inputs j-K+2 .. j. Column c < W-1 keeps row c (if c < n), column W-1 row
             # n-1 (if n >= W). All kept states are loaded before any is stored: a write slot may be the read slot.
@@ -261,9 +270,10 @@ def gated_delta_rule_triton(q, k, v, g, beta, state, batch: ForwardBatch, out=No
     return out
 
 
-def gated_delta_rule_fla(q, k, v, g, beta, state, batch: ForwardBatch, requests: list[int], out):
+def gated_delta_rule_fla(q, k, v, g, beta, state, batch: ForwardBatch, requests: list[int], out=None):
     """fla's chunked kernel over `requests` (each longer than W rows): initial states gathered from their read
-    slots, final states written to column W-1 of their write slots; fills their rows of `out`."""
+    slots, final states written to column W-1 of their write slots; fills their rows of `out`. Without `out`,
+    the requests must be all the batch's rows: fla's own output is returned (no copy)."""
     qsl, W = batch.query_start_loc_cpu, batch.state_write_slots.shape[1]
     spans = [(qsl[i], qsl[i + 1]) for i in requests]
     assert all(b - a > W for a, b in spans)
@@ -287,7 +297,10 @@ def gated_delta_rule_fla(q, k, v, g, beta, state, batch: ForwardBatch, requests:
         cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK,
     )
     state[batch.state_write_slots[idx, W - 1]] = ht.to(state.dtype)
-    o = o[0].to(out.dtype)
+    o = o[0].to(v.dtype)
+    if out is None:
+        assert contiguous and spans[0][0] == 0 and spans[-1][1] == v.shape[0]
+        return o
     if contiguous:
         out[spans[0][0] : spans[-1][1]] = o
     else:
@@ -299,29 +312,48 @@ def gated_delta_rule_fla(q, k, v, g, beta, state, batch: ForwardBatch, requests:
 def gated_delta_rule_gpu(q, k, v, g, beta, state, batch: ForwardBatch, out=None):
     """Recurrent kernel for requests of at most FLA_MIN_ROWS rows, fla's chunked kernel for longer ones (or the
     recurrent kernel for all when fla is missing)."""
-    if out is None:
-        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     lens = _lens(batch)
     long = [i for i, n in enumerate(lens) if n > FLA_MIN_ROWS] if HAS_FLA else []
     assert FLA_MIN_ROWS >= batch.state_write_slots.shape[1]
     if not long:
         return gated_delta_rule_triton(q, k, v, g, beta, state, batch, out=out)
+    if out is None and len(long) == len(lens):  # a prefill of long prompts only: fla's output as it is
+        return gated_delta_rule_fla(q, k, v, g, beta, state, batch, long)
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if len(long) < len(lens):
         gated_delta_rule_triton(q, k, v, g, beta, state, batch, out=out, max_rows=FLA_MIN_ROWS)
     return gated_delta_rule_fla(q, k, v, g, beta, state, batch, long, out)
 
 
-def causal_conv1d_triton(x, conv_state, weight, batch: ForwardBatch, out=None, block_c=None, split=None):
-    """x: [T, C]; conv_state: [slots, C, K-1]; weight: [C, K] -> silu(conv(x)) [T, C], states written in place."""
+def _planar(out: torch.Tensor, T: int, splits) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """out (T * C elements) as the conv's result: [T, C], or the contiguous [T, width] part of each split."""
+    if splits is None:
+        return out
+    flat, parts, start = out.view(-1), [], 0
+    for width in splits:
+        parts.append(flat[start * T : (start + width) * T].view(T, width))
+        start += width
+    return tuple(parts)
+
+
+def causal_conv1d_triton(x, conv_state, weight, batch: ForwardBatch, splits=None, out=None, block_c=None,
+                         split=None):
+    """x: [T, C]; conv_state: [slots, C, K-1]; weight: [C, K] -> silu(conv(x)) [T, C], states written in place.
+    `splits` (at most 3 channel widths summing to C): the parts, each a contiguous [T, width] view of `out`."""
     T, C = x.shape
     K = weight.shape[1]
     assert K >= 2 and x.stride(1) == 1 and conv_state.shape[2] == K - 1
     if out is None:
         out = torch.empty_like(x)
+    assert out.is_contiguous() and out.numel() == T * C
+    ends = list(itertools.accumulate(splits or [C]))
+    assert len(ends) <= 3 and ends[-1] == C
+    s0, s1 = (ends[:-1] + [C, C])[:2]  # the kernel's part boundaries (fewer parts: the later ones empty)
     lens = _lens(batch)
     max_n = max(lens) if lens else 0
     if max_n == 0:
-        return out
+        return _planar(out, T, splits)
     B, W = len(lens), batch.state_write_slots.shape[1]
     bt = min(8, _pow2(max_n))  # [8, 128] tiles: larger ones spill registers on sm_90 (K taps of pointer tiles)
     tiles = triton.cdiv(max_n, bt)
@@ -330,15 +362,16 @@ def causal_conv1d_triton(x, conv_state, weight, batch: ForwardBatch, out=None, b
     ncb = triton.cdiv(C, bc)
     if split is None:
         split = 1
-        while split < tiles and B * ncb * split < 1024:  # spread long prefill rows over more programs
+        # spread long prefill rows over more programs: a program's tiles run one after another, latency-bound
+        while split < tiles and B * ncb * split < 8192:
             split *= 2
         split = min(split, _pow2(tiles))
     wslots = batch.state_write_slots
     _causal_conv1d_kernel[(B, ncb, split)](
         x, conv_state, weight, out, batch.query_start_loc, batch.state_slots, wslots,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), weight.stride(0),
-        weight.stride(1), out.stride(0), wslots.stride(0), C,
+        weight.stride(1), wslots.stride(0), C, T, s0, s1,
         K=K, KP=_pow2(K - 1), W=W, WP=_pow2(W), BC=bc, BT=bt, SPLIT=split,
         TILE_BOUND=_pow2(triton.cdiv(tiles, split)), num_warps=4,
     )
-    return out
+    return _planar(out, T, splits)

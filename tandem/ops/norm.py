@@ -41,18 +41,22 @@ if HAS_TRITON:
         tl.store(out_ptr + row * n_cols + cols, (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_rows, n_cols, heads, stride_zt, stride_zh, eps,
+                               BLOCK: tl.constexpr, ROWS: tl.constexpr):
+        """ROWS rows of x (contiguous [n_rows, n_cols]) per program; row r's gate is z[r // heads, r % heads], read
+        in place from the projection output it is a view of."""
+        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        z_rows = (rows // heads) * stride_zt + (rows % heads) * stride_zh
+        z = tl.load(z_ptr + z_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
         dt = out_ptr.dtype.element_ty
         # round where the reference rounds: the normed value and its product with w live in the model dtype
-        normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)).to(dt)
-        scaled = (normed * w.to(dt)).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (scaled * z * tl.sigmoid(z)).to(dt), mask=mask)
+        normed = (x * tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)[:, None]).to(dt)
+        scaled = (normed * w.to(dt)[None, :]).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], (scaled * z * tl.sigmoid(z)).to(dt), mask=mask)
 
 
 def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,9 +104,15 @@ def rms_norm_1p_triton(x, weight, eps):
 
 
 def gated_rms_norm_triton(x, z, weight, eps):
+    """x, z: [T, heads, n] (or [R, n]); z may be strided over its first two dims (a view of a fused projection)."""
     x2, out, block = _rows(x)
-    z2 = z.reshape(-1, z.shape[-1]).contiguous()
-    _gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, out, x2.shape[1], eps, BLOCK=block)
+    z3 = z if z.dim() == 3 else z.reshape(-1, 1, z.shape[-1])
+    if z3.stride(2) != 1:
+        z3 = z3.contiguous()
+    rows = max(1, min(32, 4096 // block))  # several rows a program: a row of a GDN head is only 128 values
+    _gated_rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
+        x2, z3, weight, out, x2.shape[0], x2.shape[1], z3.shape[1], z3.stride(0), z3.stride(1), eps,
+        BLOCK=block, ROWS=rows)
     return out.view(x.shape)
 
 
