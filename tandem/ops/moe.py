@@ -12,10 +12,10 @@ CUDA graph:
    is padded up to a multiple of BLOCK_M with the sentinel T*top_k. It yields `sorted_ids [P_max]` (pair indices,
    sentinel in the padding), `block_expert [P_max / BLOCK_M]` (the expert of each block) and `total [1]` (the
    padded count). P_max = T*top_k + min(E, T*top_k) * (BLOCK_M - 1), rounded up to BLOCK_M, is the worst case and
-   known on the host; blocks at or past `total` exit at once (so the align leaves them unwritten). Small batches
-   use one Triton program: a histogram of the experts, then a sort of (expert, pair) keys in registers places
-   each pair (within an expert in pair order: deterministic). Large batches use sort-based torch ops with the
-   same layout (also sync-free; launch count does not matter at prefill sizes).
+   known on the host; blocks at or past `total` exit at once (so the align leaves them unwritten). A Triton
+   program per chunk of up to 1024 pairs: the experts' histograms (of every chunk, by a counting launch first
+   when there are several) place each expert's segment, then a sort of (expert, pair) keys in registers places
+   each pair (within an expert in pair order: deterministic). A sort-based torch reference gives the same layout.
 3. `_moe_gate_up_kernel`: a grouped GEMM over (block, I tile): gathers the block's token rows of x, multiplies by
    the block's expert's gate and up rows (two fp32 accumulators) and writes SiLU(gate) * up to `inter [P_max, I]`.
    Only experts that received tokens own blocks, so at decode only the routed experts' weights are read.
@@ -35,9 +35,8 @@ from tandem.ops.fp8 import w8a8_linear_torch
 from tandem.ops.pointwise import gated_sum, silu_mul_torch
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
-# Up to this many (token, slot) pairs the align step is one Triton program (it sorts them all in registers);
-# above it, sort-based torch ops.
-ALIGN_TRITON_MAX_PAIRS = 1024
+# (token, slot) pairs one align program sorts in registers; more pairs take more programs
+ALIGN_CHUNK = 1024
 
 if HAS_TRITON:
     import triton
@@ -72,42 +71,61 @@ if HAS_TRITON:
         tl.store(e_out_ptr + t * TOP_K + ks, top_e, mask=ks < TOP_K)
 
     @triton.jit
-    def _moe_align_kernel(experts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, E_P2: tl.constexpr,
-                          N_P2: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr, B_CHUNK: tl.constexpr):
-        """One program for all N <= N_P2 pairs. The histogram gives each expert's padded segment; sorting the keys
-        expert * N_P2 + pair puts the pairs in expert order and, within an expert, in pair order (deterministic,
-        the layout of `_moe_align_torch`), so sorted position j lands at j + (padded start - unpadded start) of
-        its expert. The segments' padding holds the sentinel N: [0, total) is filled with it first, then the
-        pairs overwrite their slots (a barrier orders the two within the program). Block b's expert is the number
-        of experts whose segment ends at or before b * BLOCK_M. Blocks at or past `total` stay unwritten: the GEMM
-        kernels return before reading them (pid_m * BLOCK_M >= total)."""
-        i = tl.arange(0, N_P2)
-        real = i < N
-        e = tl.load(experts_ptr + i, mask=real, other=E_P2).to(tl.int32)  # padding sorts after every expert
-        counts = tl.histogram(e, E_P2, mask=real)
+    def _moe_count_kernel(experts_ptr, counts_ptr, N, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+        """counts[c] = histogram of the experts of pairs [c * CHUNK, (c + 1) * CHUNK)."""
+        c = tl.program_id(0)
+        pair = c * CHUNK + tl.arange(0, CHUNK)
+        e = tl.load(experts_ptr + pair, mask=pair < N, other=0).to(tl.int32)
+        tl.store(counts_ptr + c * E_P2 + tl.arange(0, E_P2), tl.histogram(e, E_P2, mask=pair < N))
+
+    @triton.jit
+    def _moe_align_kernel(experts_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, n_chunks,
+                          E_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr):
+        """One program per chunk of CHUNK pairs. The counts of all chunks (this one's histogram, the others' from
+        `_moe_count_kernel`) give each expert's padded segment and this chunk's offset inside it (the pairs of the
+        chunks before). Sorting the keys expert * CHUNK + local index puts the chunk's pairs in expert order, each
+        expert's in pair order, so across chunks every expert's pairs lie in pair order (deterministic: the layout
+        of `_moe_align_torch`). Each program also writes the sentinel N into the padding of the experts
+        e = c (mod n_chunks) and a share of `block_expert` (block b's expert: the number of experts whose segment
+        ends at or before b * BLOCK_M); pairs and sentinels go to distinct slots, so no program waits for another.
+        Blocks at or past `total` stay unwritten: the GEMM kernels return before reading them."""
+        c = tl.program_id(0)
+        i = tl.arange(0, CHUNK)
+        n_here = tl.minimum(N - c * CHUNK, CHUNK)
+        e = tl.load(experts_ptr + c * CHUNK + i, mask=i < n_here, other=E_P2).to(tl.int32)  # padding sorts last
+        mine = tl.histogram(e, E_P2, mask=i < n_here)
+        ex = tl.arange(0, E_P2)
+        counts, before = mine, tl.zeros([E_P2], tl.int32)
+        k = 0
+        while k < n_chunks:  # while loops: the interpreter cannot take a runtime value as a range() bound
+            row = tl.load(counts_ptr + k * E_P2 + ex, mask=(ex < E_P2) & (k != c), other=0)
+            counts += row
+            before += tl.where(k < c, row, 0)
+            k += 1
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, axis=0)
-        shift = ends - padded - (tl.cumsum(counts, axis=0) - counts)
+        starts = ends - padded
         total = tl.sum(padded, axis=0)
-        tl.store(total_ptr, total)
-        # while loops: the interpreter cannot take a runtime value as a range() bound
-        c = 0
-        while c < total:
-            f = c + tl.arange(0, FILL)
-            tl.store(sorted_ptr + f, tl.zeros([FILL], tl.int32) + N, mask=f < total)
-            c += FILL
-        tl.debug_barrier()
-        keys = tl.sort(e * N_P2 + i)
-        expert, pair = keys // N_P2, keys % N_P2
+        if c == 0:
+            tl.store(total_ptr, total)
+        keys = tl.sort(e * CHUNK + i)
+        expert, local = keys // CHUNK, keys % CHUNK
+        shift = starts + before - (tl.cumsum(mine, axis=0) - mine)  # sorted position i -> slot i + shift[expert]
         dest = i + tl.gather(shift, tl.minimum(expert, E_P2 - 1), 0)
-        tl.store(sorted_ptr + dest, pair, mask=real)  # sorted position i < N holds a real pair
+        tl.store(sorted_ptr + dest, c * CHUNK + local, mask=i < n_here)  # sorted positions < n_here are real
+        j = tl.arange(0, BLOCK_M)
+        pad = ((ex % n_chunks) == c)[:, None] & (j[None, :] < (padded - counts)[:, None])
+        tl.store(sorted_ptr + (starts + counts)[:, None] + j[None, :], tl.zeros([E_P2, BLOCK_M], tl.int32) + N,
+                 mask=pad)
         n_blocks = total // BLOCK_M
-        c = 0
-        while c < n_blocks:
-            blk = c + tl.arange(0, B_CHUNK)
+        share = (n_blocks + n_chunks - 1) // n_chunks
+        b = 0
+        while b < share:
+            step = b + tl.arange(0, B_CHUNK)
+            blk = c * share + step
             owner = tl.sum((ends[None, :] <= blk[:, None] * BLOCK_M).to(tl.int32), axis=1)
-            tl.store(block_expert_ptr + blk, owner, mask=blk < n_blocks)
-            c += B_CHUNK
+            tl.store(block_expert_ptr + blk, owner, mask=(step < share) & (blk < n_blocks))
+            b += B_CHUNK
 
     @triton.jit
     def _block_rows(sorted_ptr, block_expert_ptr, pid_m, N_PAIRS, BLOCK_M: tl.constexpr):
@@ -300,18 +318,16 @@ def padded_size(n_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-worst // block_m) * block_m
 
 
-def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool | None = None, *,
-              out=None):
+def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool = True, *, out=None):
     """experts [T, top_k] -> (sorted_ids [P_max] int32, block_expert [P_max // block_m] int32, total [1] int32);
     see the module docstring. Nothing here waits for the device. The kernel leaves sorted_ids[total:] and
     block_expert[total // block_m:] unwritten (the GEMM kernels never read past total); only [0, total) and the
-    first total // block_m blocks are the result. `out` (kernel only; tests): the three output buffers to fill
-    in place instead of fresh torch.empty ones, so that a test can pre-fill them and see what is left unwritten."""
+    first total // block_m blocks are the result. use_kernel=False: the torch reference. `out` (kernel only;
+    tests): the three output buffers to fill in place instead of fresh torch.empty ones, so that a test can
+    pre-fill them and see what is left unwritten."""
     flat = experts.reshape(-1)
     n = flat.numel()
     p_max = padded_size(n, num_experts, block_m)
-    if use_kernel is None:
-        use_kernel = n <= ALIGN_TRITON_MAX_PAIRS
     if use_kernel:
         if out is None:
             sorted_ids = torch.empty(p_max, dtype=torch.int32, device=flat.device)
@@ -322,9 +338,15 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel:
             assert sorted_ids.shape == (p_max,) and block_expert.shape == (p_max // block_m,)
             assert total.shape == (1,) and {t.dtype for t in out} == {torch.int32}
         if n:
-            _moe_align_kernel[(1,)](flat.contiguous(), sorted_ids, block_expert, total, n,
-                                    E_P2=triton.next_power_of_2(num_experts), N_P2=max(16, triton.next_power_of_2(n)),
-                                    BLOCK_M=block_m, FILL=1024, B_CHUNK=16, num_warps=4)
+            chunk = min(ALIGN_CHUNK, max(16, triton.next_power_of_2(n)))
+            n_chunks, e_p2 = triton.cdiv(n, chunk), triton.next_power_of_2(num_experts)
+            flat = flat.contiguous()
+            counts = total  # read by no program when there is one chunk
+            if n_chunks > 1:
+                counts = torch.empty(n_chunks, e_p2, dtype=torch.int32, device=flat.device)
+                _moe_count_kernel[(n_chunks,)](flat, counts, n, E_P2=e_p2, CHUNK=chunk, num_warps=4)
+            _moe_align_kernel[(n_chunks,)](flat, counts, sorted_ids, block_expert, total, n, n_chunks, E_P2=e_p2,
+                                           CHUNK=chunk, BLOCK_M=block_m, B_CHUNK=16, num_warps=4)
         else:
             total.zero_()
         return sorted_ids, block_expert, total
@@ -361,7 +383,7 @@ def _configs(n_pairs: int, num_experts: int):
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
                          shared=None, shared_logit=None, block_m=None, gate_up_cfg=None, down_cfg=None,
-                         align_kernel=None, buf=None, dot=1):
+                         align_kernel=True, buf=None, dot=1):
     """The Triton path (see the module docstring). The keyword arguments after the shared expert's override
     tiling and the align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the
     activation group."""
