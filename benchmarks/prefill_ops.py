@@ -97,9 +97,10 @@ def conv_rows(rep: Report, sweep: bool):
     w = torch.randn(C, KW, device=dev, dtype=dt)
     splits = [NK * DK, NK * DK, NV * DV]
     nbytes = 2 * T * C * 2
-    for split in ([None] + ([4, 8, 16, 32, 64, 128] if sweep else [])):
-        us = device_us(lambda: gdn.causal_conv1d_triton(x, state, w, batch, splits, split=split))
-        rep.row(f"conv T={T} C={C} split={split or 'auto'}", us, nbytes)
+    configs = [(None, None)] + ([(None, 16), (None, 32), (8, 8), (32, 8), (8, 16), (8, 32)] if sweep else [])
+    for split, block_t in configs:
+        us = device_us(lambda: gdn.causal_conv1d_triton(x, state, w, batch, splits, split=split, block_t=block_t))
+        rep.row(f"conv T={T} C={C} split={split or 'auto'} block_t={block_t or 'auto'}", us, nbytes)
 
 
 def gated_norm_rows(rep: Report):

@@ -102,20 +102,22 @@ class Engine:
         self.spec_stats = SpecStats(ecfg.num_speculative_tokens)
         self._emulation_rng = random.Random(0)
         self.scheduler = Scheduler(ecfg, self.pools, prefill_only)
-        self.runner = ModelRunner(model, self.pools, ecfg)
-        decodes = ecfg.cuda_graphs and self.tp.world_size == 1 and not prefill_only
-        self.graphs = DecodeGraphs(model, self.pools, ecfg) if decodes else None
+        graphs = ecfg.cuda_graphs and self.tp.world_size == 1
+        self.runner = ModelRunner(model, self.pools, ecfg, piecewise=graphs)
+        self.graphs = DecodeGraphs(model, self.pools, ecfg) if graphs and not prefill_only else None
         self.generators: dict[str, torch.Generator] = {}
         self.sequences: dict[str, Sequence] = {}
 
     def capture_graphs(self) -> None:
-        """Captures the decode graph of every batch bucket now (a serving worker, before it takes requests),
-        instead of on each bucket's first use. Nothing to do without CUDA graphs."""
-        if self.graphs is not None and self.graphs.capture:
-            t0 = time.monotonic()
-            self.graphs.capture_all()
-            log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graphs.buckets,
-                     time.monotonic() - t0)
+        """Captures the decode graph of every batch bucket and the prefill graphs of every token bucket now (a
+        serving worker, before it takes requests), instead of on each bucket's first use. Nothing to do without
+        CUDA graphs."""
+        for graphs, what in ((self.runner.prefill_graphs, "prefill CUDA graphs for token counts"),
+                             (self.graphs, "decode CUDA graphs for batch sizes")):
+            if graphs is not None and graphs.capture:
+                t0 = time.monotonic()
+                graphs.capture_all()
+                log.info("captured %s %s in %.1f s", what, graphs.buckets, time.monotonic() - t0)
 
     def warm_up(self) -> None:
         """Compiles the prefill kernels before serving (on a GPU the first prompt of a new shape otherwise pays

@@ -6,6 +6,7 @@ import torch
 
 from tandem.cache.pools import CachePools
 from tandem.config import EngineConfig
+from tandem.engine.prefill_graphs import PrefillGraphs
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.engine.sequence import Sequence
 from tandem.model.batch import ForwardBatch, to_device
@@ -13,8 +14,10 @@ from tandem.model.qwen3_5 import Qwen3_5ForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3_5ForCausalLM, pools: CachePools, ecfg: EngineConfig):
+    def __init__(self, model: Qwen3_5ForCausalLM, pools: CachePools, ecfg: EngineConfig, piecewise: bool = False):
+        """piecewise: steps of up to max_num_batched_tokens rows run as piecewise CUDA graphs (`PrefillGraphs`)."""
         self.model, self.pools, self.ecfg = model, pools, ecfg
+        self.prefill_graphs = PrefillGraphs(model, pools.layer_caches, ecfg) if piecewise else None
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         """The rows each chunk processes: its unprocessed tokens (plus its drafts when verifying)."""
@@ -54,7 +57,11 @@ class ModelRunner:
         """Runs the target over the chunks; returns the batch and the final hidden state of every row [T, H].
         Advances num_computed by each chunk's length (a verify step then rewinds the rejected rows)."""
         batch = self.build_batch(chunks)
-        hidden = self.model(batch, self.pools.layer_caches)
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.fits(batch.query_start_loc_cpu[-1]):
+            hidden = graphs.forward(batch)
+        else:
+            hidden = self.model(batch, self.pools.layer_caches)
         for c in chunks:
             c.seq.num_computed += c.num_tokens
         return batch, hidden

@@ -24,6 +24,7 @@ projections apart from the high-precision ones.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,35 @@ from tandem.ops.norm import add_rms_norm_1p, gated_rms_norm, rms_norm_1p
 from tandem.ops.pointwise import gdn_gates, sigmoid_gate, silu_mul
 from tandem.ops.rope import inv_frequencies, qk_norm_rope, rope_tables
 from tandem.parallel import SINGLE, Split, TPGroup
+
+
+@dataclass
+class Core:
+    """The part of a mixer that depends on how the rows split into requests: paged attention, GDN's conv and
+    recurrence over the requests' state slots. Everything else in a layer is row-wise. A forward is written as a
+    generator (`steps`) that yields each core and is sent back its output, [T, ...]: `run_cores` runs the cores
+    at once; the piecewise prefill graphs (tandem/engine/prefill_graphs.py) capture the row-wise parts between
+    cores per token count and run the cores eagerly on each step's batch. `fn(*inputs, batch, *cache, out=None)`,
+    with `out` a buffer for the result."""
+
+    fn: Callable
+    inputs: tuple[torch.Tensor, ...]
+    cache: tuple[torch.Tensor, ...]
+
+    def __call__(self, batch: ForwardBatch, rows: int | None = None, out=None):
+        """On the first `rows` rows of the inputs (all when None)."""
+        inputs = self.inputs if rows is None else tuple(t[:rows] for t in self.inputs)
+        return self.fn(*inputs, batch, *self.cache, out=out)
+
+
+def run_cores(steps: Generator, batch: ForwardBatch):
+    """Drives a `steps` generator, running each core as it comes; returns the generator's result."""
+    try:
+        core = next(steps)
+        while True:
+            core = steps.send(core(batch))
+    except StopIteration as done:
+        return done.value
 
 
 class RMSNorm1p(nn.Module):
@@ -230,18 +260,21 @@ class GatedDeltaNet(_FusedProjections):
                           "in_proj_b.weight": Split(0), "in_proj_a.weight": Split(0), "dt_bias": Split(0),
                           "A_log": Split(0), "out_proj.weight": Split(1)}
 
-    def forward(self, x, batch: ForwardBatch, conv_state, recurrent_state):
+    def steps(self, x, batch: ForwardBatch, conv_state, recurrent_state):
         T = x.shape[0]
         mixed_qkv, z, b, a = self.project(x)
-        q, k, v = causal_conv1d(mixed_qkv, conv_state, self.conv1d.weight[:, 0, :], batch,
-                                splits=[self.nk * self.dk, self.nk * self.dk, self.nv * self.dv])
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # log-decay (fp32) and write strength
-        o = gated_delta_rule(
-            q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk), v.view(T, self.nv, self.dv),
-            g, beta, recurrent_state, batch,
-        )
+        o = yield Core(self.recurrence, (mixed_qkv, g, beta), (conv_state, recurrent_state))
         o = self.norm(o, z.view(T, self.nv, self.dv))
         return self.out_proj(o.reshape(T, -1))
+
+    def recurrence(self, mixed_qkv, g, beta, batch: ForwardBatch, conv_state, recurrent_state, out=None):
+        """The conv and the delta rule, request by request from their state slots -> o [T, nv, dv]."""
+        T = mixed_qkv.shape[0]
+        q, k, v = causal_conv1d(mixed_qkv, conv_state, self.conv1d.weight[:, 0, :], batch,
+                                splits=[self.nk * self.dk, self.nk * self.dk, self.nv * self.dv])
+        return gated_delta_rule(q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk),
+                                v.view(T, self.nv, self.dv), g, beta, recurrent_state, batch, out=out)
 
 
 class GatedAttention(_FusedProjections):
@@ -263,7 +296,7 @@ class GatedAttention(_FusedProjections):
         self.tp_splits = {"q_proj.weight": Split(0), "k_proj.weight": Split(0), "v_proj.weight": Split(0),
                           "o_proj.weight": Split(1)}
 
-    def forward(self, x, batch: ForwardBatch, inv_freq, k_cache, v_cache):
+    def steps(self, x, batch: ForwardBatch, inv_freq, k_cache, v_cache):
         T = x.shape[0]
         q_gate, k, v = self.project(x)
         q, gate = q_gate.view(T, self.nh, 2 * self.hd).chunk(2, dim=-1)
@@ -271,8 +304,11 @@ class GatedAttention(_FusedProjections):
         q, k = qk_norm_rope(q, k.view(T, self.nkv, self.hd), self.q_norm.weight, self.k_norm.weight,
                             self.q_norm.eps, cos, sin)
         write_kv(k_cache, v_cache, batch.slot_mapping, k, v.view(T, self.nkv, self.hd))
-        o = paged_attention(q, k_cache, v_cache, batch, self.hd**-0.5)
+        o = yield Core(self.attend, (q,), (k_cache, v_cache))
         return self.o_proj(sigmoid_gate(o.reshape(T, -1), gate))
+
+    def attend(self, q, batch: ForwardBatch, k_cache, v_cache, out=None):
+        return paged_attention(q, k_cache, v_cache, batch, self.hd**-0.5, out=out)
 
 
 class MLP(_FusedProjections):
@@ -377,13 +413,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, delta, batch: ForwardBatch, inv_freq, cache):
+        return run_cores(self.steps(h, delta, batch, inv_freq, cache), batch)
+
+    def steps(self, h, delta, batch: ForwardBatch, inv_freq, cache):
         """The residual stream is `h + delta` (delta: the previous block's output, not yet added; None before the
         first block); returns the same pair after this layer, so each add runs in the pass of the next norm."""
         h, x = (h, self.input_layernorm(h)) if delta is None else self.input_layernorm.residual(h, delta)
         if self.is_attention:
-            mixed = self.self_attn(x, batch, inv_freq, *cache)
+            mixed = yield from self.self_attn.steps(x, batch, inv_freq, *cache)
         else:
-            mixed = self.linear_attn(x, batch, *cache)
+            mixed = yield from self.linear_attn.steps(x, batch, *cache)
         h, x = self.post_attention_layernorm.residual(h, self.tp.all_reduce(mixed))  # partial sums, all-reduced
         return h, self.tp.all_reduce(self.mlp(x))
 
@@ -417,9 +456,13 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, caches) -> torch.Tensor:
         """Returns the final post-norm hidden state of every token, [T, H]. `caches[i]` is layer i's
         (k_cache, v_cache) or (conv_state, recurrent_state)."""
+        return run_cores(self.steps(batch, caches), batch)
+
+    def steps(self, batch: ForwardBatch, caches):
+        """The forward as a generator of its cores (`Core`); returns what `forward` returns."""
         h, delta = self.model.embed_tokens(batch.input_ids), None
         for layer, cache in zip(self.model.layers, caches):
-            h, delta = layer(h, delta, batch, self.inv_freq, cache)
+            h, delta = yield from layer.steps(h, delta, batch, self.inv_freq, cache)
         return self.model.norm.residual(h, delta)[1]
 
     @torch.no_grad()

@@ -31,7 +31,7 @@ from tandem.model.batch import ForwardBatch
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
 DECODE_MAX_Q = 8  # batches whose longest request has at most this many query rows take the decode tiling
-DECODE_BLOCK_N, PREFILL_M, PREFILL_BLOCK_N, NUM_STAGES = 32, 64, 32, 2
+DECODE_BLOCK_N, PREFILL_M, PREFILL_BLOCK_N, NUM_STAGES = 32, 128, 64, 2  # prefill: benchmarks/prefill_ops.py --sweep
 WIDE_TILE = 32 * 256  # tiles of more than this many (row, dim) elements run 8 warps (the fp32 accumulator), else 4
 MIN_CHUNK = 64  # fewest context tokens one split takes (multiple of both BLOCK_Ns)
 MAX_SPLITS = 64
@@ -183,17 +183,18 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
 
-def paged_attention(q, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+def paged_attention(q, k_cache, v_cache, batch: ForwardBatch, scale: float, out=None) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads, head_dim] (into `out` when given)."""
     if not use_triton(q):
-        return _paged_attention_torch(q, k_cache, v_cache, batch, scale)
+        o = _paged_attention_torch(q, k_cache, v_cache, batch, scale)
+        return o if out is None else out.copy_(o)
     qsl = batch.query_start_loc_cpu
     if qsl is not None and len(qsl) > 1:  # host copy already there: exact longest query (no device sync)
         max_q = max(b - a for a, b in zip(qsl[:-1], qsl[1:]))
     else:  # bound from shapes alone: every request has at least one row
         max_q = q.shape[0] - batch.seq_lens.shape[0] + 1
     return paged_attention_triton(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                                  scale, max_q)
+                                  scale, max_q, out=out)
 
 
 _SM_COUNT: dict = {}

@@ -59,11 +59,13 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     return out if splits is None else tuple(p.contiguous() for p in out.split(splits, dim=-1))
 
 
-def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """q, k: [T, nk, dk]; v: [T, nv, dv]; g, beta: [T, nv]; state: [slots, nv, dk, dv] -> o [T, nv, dv]."""
+def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, batch: ForwardBatch, out=None) -> torch.Tensor:
+    """q, k: [T, nk, dk]; v: [T, nv, dv]; g, beta: [T, nv]; state: [slots, nv, dk, dv] -> o [T, nv, dv] (into
+    `out` when given)."""
     if use_triton(v):
-        return gated_delta_rule_gpu(q, k, v, g, beta, state, batch)
-    return _gated_delta_rule_torch(q, k, v, g, beta, state, batch)
+        return gated_delta_rule_gpu(q, k, v, g, beta, state, batch, out=out)
+    o = _gated_delta_rule_torch(q, k, v, g, beta, state, batch)
+    return o if out is None else out.copy_(o)
 
 
 def _causal_conv1d_torch(x, conv_state, weight, batch: ForwardBatch):
@@ -182,11 +184,13 @@ if HAS_TRITON:
         start = tl.load(qsl_ptr + i).to(tl.int64)
         n = tl.load(qsl_ptr + i + 1).to(tl.int64) - start
         slot = tl.load(slots_ptr + i).to(tl.int64)
-        cols = cb * BC + tl.arange(0, BC)
+        c0 = cb * BC
+        cols = c0 + tl.arange(0, BC)
         mc = cols < C
-        seg_start = tl.where(cols < S0, 0, tl.where(cols < S1, S0, S1)).to(tl.int64)
-        seg_width = tl.where(cols < S0, S0, tl.where(cols < S1, S1 - S0, C - S1))
-        out_cols = seg_start * T + cols - seg_start  # element (t, c) lies at out_cols[c] + t * seg_width[c]
+        # this channel block's part (blocks never straddle two): its [T, width] block starts at seg_start * T
+        seg_start = tl.where(c0 < S0, 0, tl.where(c0 < S1, S0, S1)).to(tl.int64)
+        seg_width = tl.where(c0 < S0, S0, tl.where(c0 < S1, S1 - S0, C - S1))
+        o_block = o_ptr + seg_start * T + (c0 - seg_start)
         cs_dt = cs_ptr.dtype.element_ty
         w_dt = w_ptr.dtype.element_ty
         for it in range(TILE_BOUND):
@@ -194,21 +198,25 @@ if HAS_TRITON:
             if j0 < n:
                 rows = j0 + tl.arange(0, BT)
                 mr = rows < n
+                x_rows = x_ptr + (start + rows) * x_st
                 acc = tl.zeros([BT, BC], dtype=tl.float32)
                 for tap in tl.static_range(K):
                     m = rows + (tap - (K - 1))  # input index; < 0: from the slot's K-1 previous inputs
                     from_x = (m >= 0) & mr
-                    from_s = (m < 0) & mr
-                    xv = tl.load(x_ptr + (start + m)[:, None] * x_st + cols[None, :],
+                    xv = tl.load((x_rows + (tap - (K - 1)) * x_st)[:, None] + cols[None, :],
                                  mask=from_x[:, None] & mc[None, :], other=0.0).to(cs_dt)
-                    sv = tl.load(cs_ptr + slot * cs_ss + cols[None, :] * cs_sc + (K - 1 + m)[:, None] * cs_sk,
-                                 mask=from_s[:, None] & mc[None, :], other=0.0)
-                    win = tl.where(from_x[:, None], xv, sv).to(w_dt).to(tl.float32)
+                    if j0 < K - 1:  # the first tile: its first rows read the slot's inputs
+                        from_s = (m < 0) & mr
+                        sv = tl.load(cs_ptr + slot * cs_ss + cols[None, :] * cs_sc + (K - 1 + m)[:, None] * cs_sk,
+                                     mask=from_s[:, None] & mc[None, :], other=0.0)
+                        win = tl.where(from_x[:, None], xv, sv)
+                    else:
+                        win = xv
                     wt = tl.load(w_ptr + cols * w_sc + tap * w_sk, mask=mc, other=0.0).to(tl.float32)
-                    acc += win * wt[None, :]
+                    acc += win.to(w_dt).to(tl.float32) * wt[None, :]
                 y = acc.to(w_dt).to(tl.float32)  # the reference convolves and applies SiLU in the weight dtype
                 y = (y * tl.sigmoid(y)).to(w_dt)
-                tl.store(o_ptr + out_cols[None, :] + (start + rows)[:, None] * seg_width[None, :],
+                tl.store(o_block + (start + rows)[:, None] * seg_width + tl.arange(0, BC)[None, :],
                          y.to(o_ptr.dtype.element_ty), mask=mr[:, None] & mc[None, :])
         if p == 0:
             # The state after row j is inputs j-K+2 .. j. Column c < W-1 keeps row c (if c < n), column W-1 row
@@ -338,7 +346,7 @@ def _planar(out: torch.Tensor, T: int, splits) -> torch.Tensor | tuple[torch.Ten
 
 
 def causal_conv1d_triton(x, conv_state, weight, batch: ForwardBatch, splits=None, out=None, block_c=None,
-                         split=None):
+                         split=None, block_t=None):
     """x: [T, C]; conv_state: [slots, C, K-1]; weight: [C, K] -> silu(conv(x)) [T, C], states written in place.
     `splits` (at most 3 channel widths summing to C): the parts, each a contiguous [T, width] view of `out`."""
     T, C = x.shape
@@ -355,10 +363,12 @@ def causal_conv1d_triton(x, conv_state, weight, batch: ForwardBatch, splits=None
     if max_n == 0:
         return _planar(out, T, splits)
     B, W = len(lens), batch.state_write_slots.shape[1]
-    bt = min(8, _pow2(max_n))  # [8, 128] tiles: larger ones spill registers on sm_90 (K taps of pointer tiles)
+    bt = block_t or min(8, _pow2(max_n))  # [8, 128] tiles: larger ones spilled registers on sm_90
     tiles = triton.cdiv(max_n, bt)
     assert tiles == 1 or bt >= K - 1
     bc = block_c or min(128, _pow2(C))
+    while any(e % bc for e in ends[:-1]):  # a channel block lies in one part
+        bc //= 2
     ncb = triton.cdiv(C, bc)
     if split is None:
         split = 1

@@ -45,13 +45,13 @@ if HAS_TRITON:
     from tandem.ops.fp8 import group_dot, quantize_activations_triton
 
     @triton.jit
-    def _route_kernel(logits_ptr, w_out_ptr, e_out_ptr, E, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+    def _route_kernel(logits_ptr, w_out_ptr, e_out_ptr, E, stride_t, TOP_K: tl.constexpr, K_P2: tl.constexpr,
                       E_P2: tl.constexpr, RENORM: tl.constexpr):
         """One token: fp32 softmax over E logits, top-k by k rounds of arg-max (lowest index on ties), renorm."""
         t = tl.program_id(0).to(tl.int64)
         ex = tl.arange(0, E_P2)
         valid = ex < E
-        z = tl.load(logits_ptr + t * E + ex, mask=valid, other=float("-inf")).to(tl.float32)
+        z = tl.load(logits_ptr + t * stride_t + ex, mask=valid, other=float("-inf")).to(tl.float32)
         p = tl.exp(z - tl.max(z, axis=0))
         p = tl.where(valid, p, 0.0)
         p = p / tl.sum(p, axis=0)
@@ -306,7 +306,10 @@ def route_logits_triton(logits, top_k, renormalize):
     weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
     experts = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
-        _route_kernel[(T,)](logits.contiguous(), weights, experts, E, TOP_K=top_k,
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        # the router's columns of the fused MoE projection are read in place (row stride of the fused output)
+        _route_kernel[(T,)](logits, weights, experts, E, logits.stride(0), TOP_K=top_k,
                             K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(E),
                             RENORM=renormalize, num_warps=1 if E <= 1024 else 4)
     return weights, experts

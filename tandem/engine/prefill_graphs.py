@@ -1,0 +1,158 @@
+"""Prefill steps as piecewise CUDA graphs: the row-wise parts of the forward captured per token count, the cores
+(`tandem.model.qwen3_5.Core`) run eagerly in between.
+
+A prefill step has no fixed shape (its rows split into requests in any way), so it cannot be one graph. But most
+of a layer is row-wise -- projections, norms, gates, RoPE, the KV write, the whole MoE block -- and depends only on
+the number of rows. The forward (`model.steps`) yields each core: paged attention, GDN's conv and recurrence. The
+parts before, between and after the cores are captured once per token bucket (the step's T padded up to it): 41
+graphs on the 35B-A3B, with the 40 cores run eagerly on the step's own batch in between. Eagerly the step launches
+~600 kernels from Python at tens of microseconds of host time each, so a prompt of 1024 tokens waits on the host.
+
+Static inputs: input_ids, positions and slot_mapping, buffers of the largest bucket that each step copies its rows
+into. The padding rows T..bucket-1 write their KV to the null slot 0 and keep the tokens and positions of earlier
+steps (valid values). The cores never see padding rows: they run on rows [0, T) and write rows [0, T) of their
+static outputs, whose padding rows keep earlier finite values (they start zeroed), so the row-wise parts compute
+finite garbage there that nothing reads.
+
+Graphs of all buckets share one memory pool and are captured largest first; a step replays one bucket's graphs in
+the order they were captured, so memory that one capture gave back to the pool can serve a later one. What the
+cores read and write stays allocated per bucket (on the 35B-A3B about 0.8 MB per token of the bucket, mostly the
+GDN projections whose parts the recurrence reads): ~8 GB for the buckets up to 2048 tokens. On a CPU
+(tests) nothing is captured: each step runs the forward over the same padded buffers and static core outputs, so
+the padding logic is checked against the plain forward without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.model.batch import ForwardBatch
+from tandem.model.qwen3_5 import Core
+
+
+# Steps of more rows run eagerly: they are bound by the device anyway, and the graphs' memory grows with T
+MAX_GRAPH_TOKENS = 4096
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Token counts graphs are captured for: 64, 128, 256, 512, every 256 up to 2048, then every 512 (at most
+    1/8 of a step is padding past 512 rows), and max_tokens itself."""
+    sizes = [64, 128, 256, 512] + list(range(768, 2049, 256)) + list(range(2560, max_tokens, 512))
+    return [t for t in sizes if t < max_tokens] + [max_tokens]
+
+
+@dataclass
+class _Pieces:
+    """One bucket: graphs[i] runs before cores[i] (graphs[-1] after the last core), which writes outs[i]."""
+
+    graphs: list[torch.cuda.CUDAGraph]
+    cores: list[Core]
+    outs: list[torch.Tensor]
+    hidden: torch.Tensor
+
+
+class PrefillGraphs:
+    def __init__(self, model, layer_caches, ecfg: EngineConfig):
+        self.model, self.caches, self.ecfg = model, layer_caches, ecfg
+        self.capture = ecfg.device.startswith("cuda")
+        self.buckets = token_buckets(min(ecfg.max_num_batched_tokens, MAX_GRAPH_TOKENS))
+        n, dev = self.buckets[-1], ecfg.device
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pieces: dict[int, _Pieces] = {}
+        self.cpu_outs: dict[int, list[torch.Tensor]] = {}  # the static core outputs of the CPU path
+
+    def fits(self, n_tokens: int) -> bool:
+        return n_tokens <= self.buckets[-1]
+
+    def bucket_for(self, n_tokens: int) -> int:
+        return next(b for b in self.buckets if b >= n_tokens)
+
+    def _static_batch(self, n: int) -> ForwardBatch:
+        """A batch of one request over the first n rows of the static buffers, at the null slot and block: what
+        the row-wise parts read (tokens, positions, KV slots), and a batch the cores can run on at capture."""
+        dev, bs = self.ecfg.device, self.ecfg.block_size
+        i32 = dict(dtype=torch.int32, device=dev)
+        return ForwardBatch(
+            input_ids=self.input_ids[:n], positions=self.positions[:n], slot_mapping=self.slot_mapping[:n],
+            query_start_loc=torch.tensor([0, n], **i32), seq_lens=torch.tensor([n], **i32),
+            block_tables=torch.zeros(1, -(-n // bs), **i32), state_slots=torch.zeros(1, dtype=torch.long, device=dev),
+            state_write_slots=torch.zeros(1, 1, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor([n - 1], device=dev), query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model over `batch` (at most the largest bucket's rows) -> final hidden states [T, H], a tensor of
+        its own (the static output is overwritten by the next step)."""
+        T = batch.input_ids.shape[0]
+        n = self.bucket_for(T)
+        self.input_ids[:T].copy_(batch.input_ids)
+        self.positions[:T].copy_(batch.positions)
+        self.slot_mapping[:T].copy_(batch.slot_mapping)
+        self.slot_mapping[T:n].zero_()  # padding rows: KV to the null slot
+        if not self.capture:
+            return self._run_uncaptured(n, batch, T)[:T].clone()
+        if n not in self.pieces:
+            self._capture(n)
+        p = self.pieces[n]
+        for graph, core, out in zip(p.graphs, p.cores, p.outs):
+            graph.replay()
+            core(batch, rows=T, out=out[:T])
+        p.graphs[-1].replay()
+        return p.hidden[:T].clone()
+
+    def capture_all(self) -> None:
+        for n in reversed(self.buckets):  # largest first: the smaller buckets reuse its pool memory
+            if n not in self.pieces:
+                self._capture(n)
+
+    @torch.inference_mode()
+    def _capture(self, n: int) -> None:
+        batch = self._static_batch(n)
+        self.slot_mapping[:n].zero_()
+        self.model(batch, self.caches)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
+        torch.cuda.synchronize()
+        batch = self._static_batch(n)  # fresh derived entries (RoPE tables): computed inside the graphs
+        steps, graphs, cores, outs, sent = self.model.steps(batch, self.caches), [], [], [], None
+        stream = torch.cuda.Stream()
+        while True:
+            graph, core = torch.cuda.CUDAGraph(), None
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=self.pool)
+                try:
+                    core = steps.send(sent)  # runs (records) the row-wise part up to the next core
+                except StopIteration as done:
+                    hidden = done.value
+                finally:
+                    graph.capture_end()
+            graphs.append(graph)
+            if core is None:
+                break
+            # the core's output buffer, shaped by one run of the core (on inputs the graphs have not computed
+            # yet: its result and its writes to the null slot are garbage nobody reads)
+            sent = torch.zeros_like(core(batch))
+            cores.append(core)
+            outs.append(sent)
+        torch.cuda.synchronize()
+        self.pieces[n] = _Pieces(graphs, cores, outs, hidden)
+
+    def _run_uncaptured(self, n: int, batch: ForwardBatch, T: int) -> torch.Tensor:
+        """What replaying bucket n computes, without graphs: the forward over the static buffers, each core on
+        the step's rows into its static output."""
+        static = self._static_batch(n)
+        outs = self.cpu_outs.setdefault(n, [])
+        steps, i, sent = self.model.steps(static, self.caches), 0, None
+        while True:
+            try:
+                core = steps.send(sent)
+            except StopIteration as done:
+                return done.value
+            if i == len(outs):
+                outs.append(torch.zeros_like(core(static)))
+            core(batch, rows=T, out=outs[i][:T])
+            sent, i = outs[i], i + 1
