@@ -25,9 +25,10 @@ The floor is the bytes of one step at --bandwidth-gbs (4250 GB/s on the H200), w
 The MTP head's weights are not counted when k = 0 (it does not run). Conv states and KV writes are left out (small).
 
 Prefill (`--prefill COUNTxLEN,...`, k = 0): COUNT prompts of LEN random tokens added at once and stepped until every
-request has its first token, with max_num_batched_tokens = min(COUNT * LEN, 16384); timed on a second run of the
-same shapes (the first one compiles kernels; its time is printed too). Reports prompt tokens/s. With --hf-peer and no --prefill
-the shape is 32x256.
+request has its first token, with max_num_batched_tokens = min(COUNT * LEN, 16384), on an engine whose CUDA
+graphs (the prefill graphs of up to 4096 rows) are captured first; timed on a second run of the same shapes (the
+first one compiles kernels; its time is printed too). Reports prompt tokens/s. With --hf-peer and no --prefill the
+shape is 32x256.
 
 HF peer (`--hf-peer`): after Tandem's model is freed, transformers' model of the same config is built with random
 weights directly on the device (`with torch.device(device): AutoModelForCausalLM.from_config(...)`, never on the
@@ -139,13 +140,13 @@ def profile_steps(eng, steps: int, device: str) -> None:
     print(events.table(sort_by=sort, row_limit=30, max_name_column_width=60))
 
 
-def profile_prefill(cfg, model, args, count: int, length: int) -> None:
+def profile_prefill(eng, cfg, args, count: int, length: int) -> None:
     """The top kernels of one more prefill run of the shape, and how much of its wall time the device was busy."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = args.device.startswith("cuda")
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        r = tandem_prefill(cfg, model, args, count, length)
+        r = tandem_prefill(eng, cfg, args, count, length)
     events = prof.key_averages()
     if cuda:
         device_ms = sum(e.self_device_time_total for e in events) / 1e3
@@ -154,14 +155,14 @@ def profile_prefill(cfg, model, args, count: int, length: int) -> None:
     print(events.table(sort_by=sort, row_limit=25, max_name_column_width=60))
 
 
-def host_profile_prefill(cfg, model, args, count: int, length: int) -> None:
+def host_profile_prefill(eng, cfg, args, count: int, length: int) -> None:
     """Where the host time of one more prefill run of the shape goes: cProfile's top functions by own time."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
     prof.enable()
-    r = tandem_prefill(cfg, model, args, count, length)
+    r = tandem_prefill(eng, cfg, args, count, length)
     prof.disable()
     print(f"  host profile: {r['ms']:.1f} ms wall (under cProfile)")
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
@@ -219,12 +220,20 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
     return row
 
 
-def tandem_prefill(cfg, model, args, count: int, length: int) -> dict:
-    """`count` prompts added at once, stepped until each has its first token."""
-    budget = min(count * length, PREFILL_TOKEN_CAP)
+def prefill_engine(cfg, model, args, count: int, length: int) -> tuple[Engine, float]:
+    """An engine for `count` prompts of `length` tokens, its CUDA graphs captured (as a serving worker does before
+    it takes requests); returns it and the capture's seconds."""
     ecfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=count, max_model_len=length + 8,
-                        max_num_batched_tokens=budget)
+                        max_num_batched_tokens=min(count * length, PREFILL_TOKEN_CAP))
     eng = Engine(cfg, model, ecfg)
+    t0 = time.perf_counter()
+    eng.capture_graphs()
+    return eng, time.perf_counter() - t0
+
+
+def tandem_prefill(eng, cfg, args, count: int, length: int) -> dict:
+    """`count` prompts added at once, stepped until each has its first token."""
+    budget = eng.ecfg.max_num_batched_tokens
     gen = torch.Generator().manual_seed(count * 100003 + length)
     prompts = torch.randint(0, cfg.vocab_size, (count, length), generator=gen).tolist()
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
@@ -474,16 +483,18 @@ def main():
         print(f"\nprefill (k=0), token budget min(count*length, {PREFILL_TOKEN_CAP})")
         print(f"{'prompts':>7} {'length':>6} {'steps':>5} {'ms':>10} {'prompt tok/s':>12}")
         for count, length in shapes:
-            cold = tandem_prefill(cfg, model, args, count, length)  # the same shapes once: kernel compiles
-            r = tandem_prefill(cfg, model, args, count, length)
-            r["first_run_ms"] = cold["ms"]
+            eng, capture_s = prefill_engine(cfg, model, args, count, length)
+            cold = tandem_prefill(eng, cfg, args, count, length)  # the same shapes once: kernel compiles
+            r = tandem_prefill(eng, cfg, args, count, length)
+            r["first_run_ms"], r["capture_s"] = cold["ms"], capture_s
             res["prefill"].append(r)
             print(f"{count:>7} {length:>6} {r['steps']:>5} {r['ms']:>10.1f} {r['tok_s']:>12.0f}   "
-                  f"(first run, compiling: {cold['ms']:.0f} ms)")
+                  f"(first run, compiling: {cold['ms']:.0f} ms; graphs captured in {capture_s:.1f} s)")
             if args.profile:
-                profile_prefill(cfg, model, args, count, length)
+                profile_prefill(eng, cfg, args, count, length)
             if args.host_profile:
-                host_profile_prefill(cfg, model, args, count, length)
+                host_profile_prefill(eng, cfg, args, count, length)
+            del eng
 
     if args.hf_peer:
         vocab = cfg.vocab_size
