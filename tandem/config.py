@@ -231,8 +231,9 @@ class EngineConfig:
     emulated_acceptance: tuple[float, ...] | None = None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-    # Decode steps through persistent buffers as CUDA graphs (tandem/engine/graphs.py). None: on when the device
-    # is CUDA and the Triton kernels serve it; True on a CPU runs the same padded path without capture (tests).
+    # Decode steps through persistent buffers as CUDA graphs (tandem/engine/graphs.py), prefill steps as piecewise
+    # ones (tandem/engine/prefill_graphs.py). None: on when the device is CUDA and the Triton kernels serve it;
+    # True on a CPU runs the same padded paths without capture (tests).
     cuda_graphs: bool | None = None
 
     def __post_init__(self):

@@ -12,7 +12,8 @@ Each op has a torch reference (walks requests one by one on the host) and GPU pa
 tensors take the GPU paths:
 - `causal_conv1d` -> `causal_conv1d_triton`, one kernel for decode, verify and varlen prefill rows: a program per
   (request, channel block, row split) computes tiles of rows from the K-1 inputs in the slot and the request's rows,
-  and the first split of each request writes the kept states.
+  and the first split of each request writes the kept states. With `splits` (GDN's q | k | v widths) it writes
+  each part as a contiguous [T, width] block, so fla's prefill reads q, k and v without copying them.
 - `gated_delta_rule` -> `gated_delta_rule_gpu`: requests of at most `FLA_MIN_ROWS` rows (decode, verify, short
   prefill chunks) run `gated_delta_rule_triton`, the recurrent kernel (state of one (request, value head, dv block)
   in registers, rows in sequence, every kept state written where the reference writes it). Longer requests -- prefill
