@@ -46,12 +46,13 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
     python3 -m tandem.cli serve --port 50051 --http-port 0 --metrics-port 0 "${serve[@]}" > "$OUT/$name.serve.log" 2>&1 &
     local pid=$!
     if wait_announced "$OUT/$name.serve.log" $pid; then
-        local metrics  # the decode worker's (listed last; one decode worker here)
-        metrics=$(grep -o 'metrics=[^ ]*' "$OUT/$name.serve.log" | cut -d= -f2 | tr ',' '\n' | tail -1)
+        local metrics  # every worker's (the router is listed first): speculation and engine step times
+        metrics=$(grep -o 'metrics=[^ ]*' "$OUT/$name.serve.log" | cut -d= -f2 | tr ',' '\n' | tail -n +2 \
+            | sed 's|.*|http://&/metrics|' | paste -sd,)
         timeout 400 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
-            --metrics-url "http://$metrics/metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$name.json" \
+            --metrics-url "$metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$name.json" \
             "${bench[@]}" > "$OUT/$name.txt" 2>&1
-        grep -E "Maximum request concurrency|Output token throughput|Mean TPOT|Mean TTFT|Acceptance length" \
+        grep -E "Maximum request concurrency|Output token throughput|Mean TPOT|Mean TTFT|Acceptance length|Engine busy" \
             "$OUT/$name.txt" | sed "s/^/[$name] /"
     else
         echo "[$name] the server did not come up; see $name.serve.log"; tail -5 "$OUT/$name.serve.log"

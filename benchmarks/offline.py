@@ -33,13 +33,6 @@ from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.worker_setup import prepare_engine  # noqa: E402
 
 
-def classify(chunks) -> tuple[str, int, int]:
-    """(class, decode requests, prompt tokens) of one step's chunks."""
-    decodes = sum(1 for c in chunks if not c.seq.in_prefill)
-    prompt = sum(c.num_tokens for c in chunks if c.seq.in_prefill)
-    return ("mixed" if prompt else "decode") if decodes else "prefill", decodes, prompt
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-moe")
@@ -69,22 +62,15 @@ def main():
         eng.add_request(str(i), p, params)
     seqs = list(eng.sequences.values())
 
-    schedule, last = eng.scheduler.schedule, {}
-
-    def recording_schedule():
-        chunks = schedule()
-        last["class"] = classify(chunks)  # now: the step moves requests out of their prefill
-        return chunks
-
-    eng.scheduler.schedule = recording_schedule
     steps = {"decode": [], "mixed": [], "prefill": []}  # class -> [(seconds, decodes, prompt tokens)]
     t_start = time.perf_counter()
     while eng.has_work():
         t0 = time.perf_counter()
         eng.step()  # ends with the sampled tokens on the host: the step's device work is done
         dt = time.perf_counter() - t0
-        kind, decodes, prompt = last["class"]
-        steps[kind].append((dt, decodes, prompt))
+        shape = eng.last_step
+        if shape is not None:
+            steps[shape.kind].append((dt, shape.decodes, shape.prompt_tokens))
     total = time.perf_counter() - t_start
     out_tokens = sum(len(s.output_token_ids) for s in seqs)
 

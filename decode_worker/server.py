@@ -79,7 +79,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         self._lock = threading.Lock()
         self._by_request: dict[str, LeaseRecord] = {}
         self._by_lease: dict[str, LeaseRecord] = {}
-        self.loop = EngineLoop(engine, self._after_step, self._on_error, periodic=self._expire)
+        self.loop = EngineLoop(engine, self._after_step, self._on_error, periodic=self._expire, metrics=metrics)
         self.transfer = TransferServer(transfer_host, transfer_port, engine.ecfg.device, self._on_header,
                                        self._on_payload, ssl_context=ssl_context)
         self._advertise_host = advertise_host

@@ -44,7 +44,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
         self._queued_tokens = 0
-        self.loop = EngineLoop(engine, self._after_step, self._on_error)
+        self.loop = EngineLoop(engine, self._after_step, self._on_error, metrics=metrics)
         self.draining = False
 
     def start(self) -> "PrefillWorker":

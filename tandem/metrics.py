@@ -27,6 +27,7 @@ PREFIX = "tandem:"
 LABELS = ("model_name", "worker")
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 ROLES = ("router", "prefill", "decode")
+STEP_KINDS = ("decode", "mixed", "prefill")  # an engine step ran decode rows only, both, or prompt chunks only
 
 # vLLM's boundaries (vllm/v1/metrics/loggers.py): TTFT, inter-token latency, and one list shared by the
 # per-request phase histograms (e2e, queue, prefill, decode).
@@ -40,6 +41,9 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 # long prompt's KV seconds.
 HANDOFF_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
+# Ours: a decode step of a large model on one GPU takes milliseconds to tens of them, a cold prefill seconds.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+                5.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,9 @@ _SPECS = (
     _Spec("lease_expiries_total", Counter, "Decode reservations that expired or were aborted before admission.",
           _D),
     _Spec("leases_active", Gauge, "Decode reservations currently held.", _D),
+    _Spec("engine_step_seconds", Histogram, "Duration of one engine step (host time up to its sampled tokens), by "
+          "what it ran: decode (decode/verify rows only), mixed (decode rows and prompt chunks), prefill (prompt "
+          "chunks only).", _P + _D, ("kind",), buckets=STEP_BUCKETS),
     _Spec("worker_healthy", Gauge, "1 when the router sees the worker healthy, else 0.", _R,
           ("target_worker", "role")),
 )
@@ -138,6 +145,9 @@ class Metrics:
                 elif s.attr == "request_success_total":
                     for reason in FINISHED_REASONS:
                         self.request_success_total(reason)
+                elif s.attr == "engine_step_seconds":
+                    for kind in STEP_KINDS:
+                        self.engine_step_seconds(kind)
 
     def __getattr__(self, attr):
         # Unlabelled metrics not pre-bound for this role are bound on first use.
@@ -157,6 +167,11 @@ class Metrics:
     def spec_decode_num_accepted_tokens_per_pos_total(self, position: int):
         return self.families["spec_decode_num_accepted_tokens_per_pos_total"].labels(
             self.model_name, self.worker, str(int(position)))
+
+    def engine_step_seconds(self, kind: str):
+        if kind not in STEP_KINDS:
+            raise ValueError(f"kind: {kind!r} is not one of {STEP_KINDS}")
+        return self.families["engine_step_seconds"].labels(self.model_name, self.worker, kind)
 
     def handoff_failures_total(self, reason: str):
         return self.families["handoff_failures_total"].labels(self.model_name, self.worker, reason)

@@ -12,7 +12,7 @@ from cluster import Cluster
 from router.http import start_http_server
 from tandem.bench import report
 from tandem.bench.serve import add_args, arrival_times, main
-from tandem.metrics import Metrics
+from tandem.metrics import STEP_KINDS, Metrics
 
 ENGINE = ["--model", "tiny-moe", "--dtype", "float32", "--num-speculative-tokens", "2", "--block-size", "4",
           "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
@@ -103,6 +103,7 @@ def test_bench_openai_sweep(cluster, tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and out.count("Serving Benchmark Result") == 2
     assert "Request rate configured (RPS):" in out
+    assert out.count("-Engine Steps-") == (2 if urls else 0)
     for c in (1, 4):
         res = json.loads((tmp_path / f"sweep-c{c}.json").read_text())
         assert res["completed"] == 8 and res["max_concurrency"] == c and res["total_output_tokens"] > 0
@@ -112,6 +113,13 @@ def test_bench_openai_sweep(cluster, tmp_path, capsys):
             assert 0 <= res["spec_decode_accepted_tokens"] <= res["spec_decode_draft_tokens"]
             assert res["spec_decode_acceptance_length"] == pytest.approx(
                 1 + res["spec_decode_accepted_tokens"] / res["spec_decode_num_drafts"])
+        if urls:  # the workers' real step times: both engines (prefill and decode worker) ran steps in the run
+            steps = res["engine_steps"]
+            assert set(steps) <= set(STEP_KINDS) and {"prefill", "decode"} <= set(steps)
+            assert all(k["steps"] > 0 and k["mean_ms"] == pytest.approx(1e3 * k["seconds"] / k["steps"])
+                       for k in steps.values())
+            # busy share: step seconds over the run's duration, summed over the two engines
+            assert 0 < res["engine_busy_percent"] <= 200 * 1.05
     assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 1000
 
 
@@ -143,6 +151,26 @@ def test_arrivals_and_spec_parsing():
     assert d["acceptance_rate"] == pytest.approx(65.0) and d["acceptance_length"] == pytest.approx(2.3)
     assert d["per_position_acceptance_rates"] == pytest.approx([0.8, 0.5])
     assert report.parse_spec_metrics("# nothing\n") is None
+
+
+def test_engine_step_parsing():
+    """Two workers' step histograms: the run's own steps (after - before) by kind, summed over both, and their
+    seconds as a share of the run's duration."""
+    a, b = Metrics("x", "prefill-0", role="prefill"), Metrics("x", "decode-0", role="decode")
+    a.engine_step_seconds("prefill").observe(5.0)  # before the run: not counted
+    texts = lambda: [m.generate_latest().decode() for m in (a, b)]  # noqa: E731
+    before = report.merge_steps([report.parse_step_metrics(t) for t in texts()])
+    for seconds in (0.2, 0.4):
+        a.engine_step_seconds("prefill").observe(seconds)
+    for seconds in (0.01, 0.03, 0.02):
+        b.engine_step_seconds("decode").observe(seconds)
+    b.engine_step_seconds("mixed").observe(0.1)
+    d = report.steps_delta(before, report.merge_steps([report.parse_step_metrics(t) for t in texts()]), 2.0)
+    assert list(d["kinds"]) == ["decode", "mixed", "prefill"]  # kinds with steps in the run only
+    assert d["kinds"]["prefill"]["steps"] == 2 and d["kinds"]["prefill"]["mean_ms"] == pytest.approx(300.0)
+    assert d["kinds"]["decode"]["steps"] == 3 and d["kinds"]["decode"]["seconds"] == pytest.approx(0.06)
+    assert d["busy_percent"] == pytest.approx(100 * (0.6 + 0.06 + 0.1) / 2.0)
+    assert report.parse_step_metrics("# nothing\n") is None and report.steps_delta(None, before, 1.0) is None
 
 
 def test_sharegpt_sampling(tmp_path):

@@ -134,7 +134,7 @@ def test_gpu_overlay_has_monitoring_and_autoscaling():
 
 # labels an expression may match or group on: the metrics' own, Prometheus' target labels, the scrape relabelling
 ALLOWED_LABELS = {"model_name", "worker", "finished_reason", "position", "reason", "target_worker", "role", "le",
-                  "component", "namespace", "pod", "job", "instance", "__name__"}
+                  "kind", "component", "namespace", "pod", "job", "instance", "__name__"}
 GRAFANA_VARS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
 
 

@@ -38,6 +38,7 @@ def touch_everything(m: Metrics):
     m.handoff_done(nbytes=1 << 20, seconds=0.003)
     m.handoff_failed("transport")
     m.set_worker_healthy("prefill-0", "prefill", True)
+    m.engine_step_seconds("mixed").observe(0.08)
 
 
 def test_exposed_names_equal_names():
@@ -60,7 +61,7 @@ def test_names_are_vllm_style():
               "tandem:spec_decode_num_draft_tokens_total", "tandem:spec_decode_num_accepted_tokens_total",
               "tandem:spec_decode_num_accepted_tokens_per_pos_total", "tandem:handoff_bytes_total",
               "tandem:handoff_seconds_bucket", "tandem:handoff_failures_total", "tandem:lease_expiries_total",
-              "tandem:leases_active", "tandem:worker_healthy"):
+              "tandem:leases_active", "tandem:worker_healthy", "tandem:engine_step_seconds_sum"):
         assert n in names, n
     assert not any(n.endswith("_total_total") for n in names)
     assert all(n.startswith("tandem:") for n in names)
@@ -103,6 +104,8 @@ def test_labels_and_values():
     assert value("tandem:handoff_failures_total", reason="transport") == 1
     assert value("tandem:worker_healthy", target_worker="prefill-0", role="prefill") == 1
     assert value("tandem:request_decode_time_seconds_sum") == 1.0
+    assert value("tandem:engine_step_seconds_count", kind="mixed") == 1
+    assert value("tandem:engine_step_seconds_sum", kind="mixed") == pytest.approx(0.08)
     m.remove_worker("prefill-0", "prefill")
     assert not [n for n, _, _ in samples(m) if n == "tandem:worker_healthy"]
 
@@ -119,8 +122,13 @@ def test_roles_precreate_only_their_series():
     names = {n for n, _, _ in samples(decode)}
     assert {"tandem:kv_cache_usage_perc", "tandem:spec_decode_num_drafts_total", "tandem:leases_active"} <= names
     assert "tandem:time_to_first_token_seconds_count" not in names
+    kinds = {lab["kind"] for n, lab, _ in samples(decode) if n == "tandem:engine_step_seconds_count"}
+    assert kinds == set(tm.STEP_KINDS)  # at zero from the start
+    assert "tandem:engine_step_seconds_count" not in {n for n, _, _ in samples(router)}
     with pytest.raises(ValueError):
         decode.request_success_total("finished")
+    with pytest.raises(ValueError):
+        decode.engine_step_seconds("verify")
     with pytest.raises(ValueError):
         Metrics("m", "x", registry=CollectorRegistry(), role="colocated")
 

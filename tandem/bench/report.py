@@ -1,5 +1,6 @@
 """Benchmark metrics and the printed report, with vLLM `bench serve`'s fields, names and layout (so results
-read side by side with published vLLM numbers), and the speculative-decoding counters from Prometheus."""
+read side by side with published vLLM numbers), and from the servers' Prometheus endpoints the speculative-decoding
+counters and the engine step times (how busy the engines were during the run)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 from tandem.bench.backends import RequestOutput
 
 SPEC_PREFIX = "tandem:spec_decode_"
+STEP_METRIC = "tandem:engine_step_seconds"
 
 
 def _stats(values: list[float], percentiles: list[float]) -> dict:
@@ -115,13 +117,54 @@ def spec_delta(before: dict | None, after: dict | None) -> dict | None:
             "per_position_acceptance_rates": per_pos}
 
 
+# ---- engine steps (histogram sums and counts by kind, summed over every worker) -------------------------------
+def parse_step_metrics(text: str) -> dict | None:
+    """kind -> [steps, seconds] over the text's `engine_step_seconds` series; None when there are none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in (STEP_METRIC + "_count", STEP_METRIC + "_sum"):
+                k = out.setdefault(s.labels.get("kind", ""), [0.0, 0.0])
+                k[0 if s.name.endswith("_count") else 1] += s.value
+    return out or None
+
+
+def merge_steps(parts: list[dict | None]) -> dict | None:
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    out = {}
+    for p in parts:
+        for kind, (n, sec) in p.items():
+            k = out.setdefault(kind, [0.0, 0.0])
+            k[0] += n
+            k[1] += sec
+    return out
+
+
+def steps_delta(before: dict | None, after: dict | None, duration: float) -> dict | None:
+    """The run's own steps by kind (count, seconds, mean ms) and the engines' busy share of the run: their step
+    seconds over its duration, summed over workers (so up to the number of engines). None without the series."""
+    if before is None or after is None:
+        return None
+    kinds = {}
+    for kind, (n, sec) in sorted(after.items()):
+        n0, sec0 = before.get(kind, [0.0, 0.0])
+        if n - n0 > 0:
+            kinds[kind] = {"steps": int(n - n0), "seconds": sec - sec0, "mean_ms": 1e3 * (sec - sec0) / (n - n0)}
+    busy = sum(k["seconds"] for k in kinds.values())
+    return {"kinds": kinds, "busy_percent": 100.0 * busy / duration if duration > 0 else 0.0}
+
+
 # ---- the printed report ------------------------------------------------------------------------------------------
 HEADERS = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
            "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
 
 
 def render(m: dict, spec: dict | None, max_concurrency: int | None, request_rate: float,
-           percentile_metrics: list[str], percentiles: list[float]) -> str:
+           percentile_metrics: list[str], percentiles: list[float], steps: dict | None = None) -> str:
     lines = []
 
     def row(label, value, fmt="{:<10}"):
@@ -160,5 +203,11 @@ def render(m: dict, spec: dict | None, max_concurrency: int | None, request_rate
             lines.append("Per-position acceptance (%):")
             for i, r in enumerate(spec["per_position_acceptance_rates"]):
                 row(f"  Position {i}:", 100.0 * r, "{:<10.2f}")
+    if steps is not None:  # ours: vLLM's report has no such section
+        lines.append("Engine Steps".center(50, "-"))
+        row("Engine busy (% of duration):", steps["busy_percent"], "{:<10.2f}")
+        for kind, k in steps["kinds"].items():
+            row(f"{kind.capitalize()} steps:", k["steps"])
+            row(f"  mean (ms):", k["mean_ms"], "{:<10.2f}")
     lines.append("=" * 50)
     return "\n".join(lines)

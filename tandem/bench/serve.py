@@ -8,7 +8,9 @@ server (completions SSE), reporting what vLLM's `vllm bench serve` reports, unde
 
 Arrivals: `--request-rate` requests/s (inf: all at once) with gamma-distributed gaps (`--burstiness` 1 =
 Poisson), and at most `--max-concurrency` in flight. Speculative-decoding figures are the change in the
-servers' Prometheus counters over the run (`--metrics-url`, comma-separated: one per decode worker).
+servers' Prometheus counters over the run (`--metrics-url`, comma-separated: one per decode worker); so is the
+Engine Steps section (ours), the workers' engine step times by kind and their share of the run's duration: well
+below 100% the engines waited for work, so the time went to the serving stack (or the client).
 """
 
 from __future__ import annotations
@@ -85,19 +87,22 @@ def arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Generat
     return np.cumsum(gaps).tolist()
 
 
-async def _fetch_spec(urls: list[str]) -> dict | None:
+async def _fetch_counters(urls: list[str]) -> tuple[dict | None, dict | None]:
+    """(speculation counters, engine step sums by kind), each summed over the /metrics URLs that have them."""
     if not urls:
-        return None
+        return None, None
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         async def one(u):
             try:
                 async with s.get(u) as r:
-                    return report.parse_spec_metrics(await r.text()) if r.status == 200 else None
+                    return await r.text() if r.status == 200 else None
             except aiohttp.ClientError:
                 return None
-        return report.merge_spec(list(await asyncio.gather(*(one(u) for u in urls))))
+        texts = [t for t in await asyncio.gather(*(one(u) for u in urls)) if t is not None]
+    return (report.merge_spec([report.parse_spec_metrics(t) for t in texts]),
+            report.merge_steps([report.parse_step_metrics(t) for t in texts]))
 
 
 async def _wait_ready(backend, timeout: float) -> dict:
@@ -113,7 +118,8 @@ async def _wait_ready(backend, timeout: float) -> dict:
 
 async def run_once(backend, requests: list[datasets.SampleRequest], settings: RequestSettings, rate: float,
                    burstiness: float, max_concurrency: int | None, num_warmups: int, seed: int,
-                   spec_urls: list[str], disable_tqdm: bool) -> tuple[list[RequestOutput], float, dict | None]:
+                   metrics_urls: list[str], disable_tqdm: bool):
+    """-> (outputs, duration, speculation counts or None, engine steps or None) of the run (warm-ups excluded)."""
     from tqdm import tqdm
 
     if num_warmups:
@@ -125,7 +131,7 @@ async def run_once(backend, requests: list[datasets.SampleRequest], settings: Re
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), disable=disable_tqdm)
     times = arrival_times(len(requests), rate, burstiness, np.random.default_rng(seed))
-    before = await _fetch_spec(spec_urls)
+    before = await _fetch_counters(metrics_urls)
 
     async def one(req, at):
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
@@ -141,12 +147,13 @@ async def run_once(backend, requests: list[datasets.SampleRequest], settings: Re
     outputs = await asyncio.gather(*(one(r, t) for r, t in zip(requests, times)))
     duration = time.perf_counter() - t0
     bar.close()
-    spec = report.spec_delta(before, await _fetch_spec(spec_urls))
-    return list(outputs), duration, spec
+    after = await _fetch_counters(metrics_urls)
+    return (list(outputs), duration, report.spec_delta(before[0], after[0]),
+            report.steps_delta(before[1], after[1], duration))
 
 
 # ---- results ------------------------------------------------------------------------------------------------------
-def result_dict(args, info: dict, outputs, duration, spec, max_concurrency, percentiles) -> dict:
+def result_dict(args, info: dict, outputs, duration, spec, max_concurrency, percentiles, steps=None) -> dict:
     m = report.compute(outputs, duration, percentiles)
     res = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "label": args.label,
            "model_id": info.get("model"), "tokenizer_id": args.tokenizer, "dataset_name": args.dataset_name,
@@ -158,6 +165,8 @@ def result_dict(args, info: dict, outputs, duration, spec, max_concurrency, perc
                     "spec_decode_num_drafts": spec["num_drafts"], "spec_decode_draft_tokens": spec["draft_tokens"],
                     "spec_decode_accepted_tokens": spec["accepted_tokens"],
                     "spec_decode_per_position_acceptance_rates": spec["per_position_acceptance_rates"]})
+    if steps is not None:
+        res.update({"engine_busy_percent": steps["busy_percent"], "engine_steps": steps["kinds"]})
     res.update({"input_lens": [o.prompt_len for o in outputs], "output_lens": [o.output_tokens for o in outputs],
                 "ttfts": [o.ttft for o in outputs], "itls": [o.itl for o in outputs],
                 "latencies": [o.latency for o in outputs], "start_times": [o.start_time for o in outputs],
@@ -297,7 +306,7 @@ async def _amain(args) -> list[dict]:
         bad = sorted(set(metrics) - set(report.HEADERS))
         if bad:
             raise ValueError(f"--percentile-metrics: unknown {bad}; choose from {sorted(report.HEADERS)}")
-        spec_urls = [u for u in (args.metrics_url or "").split(",") if u]
+        metrics_urls = [u for u in (args.metrics_url or "").split(",") if u]
         sweep = [int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency else \
             [args.max_concurrency]
         results = []
@@ -307,14 +316,14 @@ async def _amain(args) -> list[dict]:
                   f"({'Poisson process' if args.burstiness == 1.0 else 'Gamma distribution'})")
             print(f"Maximum request concurrency: {conc}")
             batch = requests[:args.prompts_per_concurrency * (conc or 1)] if args.prompts_per_concurrency else requests
-            outputs, duration, spec = await run_once(backend, batch, settings, args.request_rate,
-                                                     args.burstiness, conc, args.num_warmups, args.seed, spec_urls,
-                                                     args.disable_tqdm)
-            res = result_dict(args, info, outputs, duration, spec, conc, percentiles)
+            outputs, duration, spec, steps = await run_once(backend, batch, settings, args.request_rate,
+                                                            args.burstiness, conc, args.num_warmups, args.seed,
+                                                            metrics_urls, args.disable_tqdm)
+            res = result_dict(args, info, outputs, duration, spec, conc, percentiles, steps)
             failed = [e for e in res["errors"] if e]
             if failed:
                 print(f"Failed requests ({len(failed)}), first: {failed[0]}")
-            print(report.render(res, spec, conc, args.request_rate, metrics, percentiles), flush=True)
+            print(report.render(res, spec, conc, args.request_rate, metrics, percentiles, steps), flush=True)
             if args.save_result:
                 print(f"Result saved to {save(args, res)}")
             if args.plot_dir:

@@ -81,6 +81,21 @@ class PrefilledRequest:
     rng_state: torch.Tensor | None  # the seeded generator after the first token, so decoding continues its stream
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What one engine step ran: decode/verify requests and prompt tokens (chunks)."""
+
+    decodes: int
+    prompt_tokens: int
+
+    @property
+    def kind(self) -> str:
+        """decode (decode rows only), mixed (both), prefill (prompt chunks only)."""
+        if self.decodes:
+            return "mixed" if self.prompt_tokens else "decode"
+        return "prefill"
+
+
 class Engine:
     """Owns the model, the cache pools, the scheduler and the runner; `step()` runs one batched forward.
 
@@ -107,6 +122,7 @@ class Engine:
         self.graphs = DecodeGraphs(model, self.pools, ecfg) if graphs and not prefill_only else None
         self.generators: dict[str, torch.Generator] = {}
         self.sequences: dict[str, Sequence] = {}
+        self.last_step: StepShape | None = None  # of the latest step (None: it had nothing to run)
 
     def capture_graphs(self) -> None:
         """Captures the decode graph of every batch bucket and the prefill graphs of every token bucket now (a
@@ -212,6 +228,7 @@ class Engine:
         chunks = self.scheduler.schedule()
         decode = [c for c in chunks if not c.seq.in_prefill]
         prefill = [c for c in chunks if c.seq.in_prefill]
+        self.last_step = StepShape(len(decode), sum(c.num_tokens for c in prefill)) if chunks else None
         finished = self._decode(decode) if decode else []
         return finished + (self._prefill(prefill) if prefill else [])
 

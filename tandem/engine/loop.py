@@ -3,7 +3,8 @@
 Between steps the loop runs queued calls, then `periodic()` (lease expiry and such), then one `engine.step()`,
 then `after_step(active, finished)` where `active` are the requests that were running during the step. A
 failing step is reported through `on_error(exc, active)` so that the requests in it end with an error instead
-of hanging, and the loop goes on.
+of hanging, and the loop goes on. With `metrics`, each step's duration goes to `engine_step_seconds` by its kind
+(`Engine.last_step`): summed over a run, how busy the engine was.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -21,8 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, engine, after_step, on_error, periodic=None, idle_wait: float = 0.02):
-        self.engine = engine
+    def __init__(self, engine, after_step, on_error, periodic=None, idle_wait: float = 0.02, metrics=None):
+        self.engine, self.metrics = engine, metrics
         self._after_step, self._on_error, self._periodic = after_step, on_error, periodic
         self._idle_wait = idle_wait
         self._calls: deque[tuple[Future, callable]] = deque()
@@ -86,7 +88,10 @@ class EngineLoop:
                 continue
             active = list(self.engine.scheduler.running)
             try:
+                t0 = time.perf_counter()
                 finished = self.engine.step()
+                if self.metrics is not None and self.engine.last_step is not None:
+                    self.metrics.engine_step_seconds(self.engine.last_step.kind).observe(time.perf_counter() - t0)
             except Exception as e:
                 log.exception("engine step failed")
                 self._on_error(e, active)
