@@ -63,9 +63,11 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
 for part in $PARTS; do
     case $part in
     tests)
-        # the modules left out need packages the GPU image lacks (openai, cryptography): the CPU suite runs them
+        # the modules left out need packages the GPU image lacks (openai, cryptography, lm-eval): the CPU suite
+        # runs them
         timeout 900 python3 -m pytest -q -s -m gpu tests/ -p no:cacheprovider --ignore=tests/test_deploy.py \
             --ignore=tests/test_http.py --ignore=tests/test_prompt_logprobs.py --ignore=tests/test_tls.py \
+            --ignore=tests/test_lm_eval.py \
             > "$OUT/gpu_tests.txt" 2>&1
         tail -3 "$OUT/gpu_tests.txt"; grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.txt" | head -20 ;;
     step)
