@@ -17,9 +17,9 @@ finite garbage there that nothing reads.
 Graphs of all buckets share one memory pool and are captured largest first; a step replays one bucket's graphs in
 the order they were captured, so memory that one capture gave back to the pool can serve a later one. What the
 cores read and write stays allocated per bucket (on the 35B-A3B about 1.2 MB per token of the bucket, mostly the
-GDN projections whose parts the recurrence reads): ~11 GB for the buckets up to 2048 tokens. On a CPU
-(tests) nothing is captured: each step runs the forward over the same padded buffers and static core outputs, so
-the padding logic is checked against the plain forward without a GPU.
+GDN projections whose parts the recurrence reads): ~11 GB for the buckets up to 2048 tokens, ~27 GB up to 4096.
+On a CPU (tests) nothing is captured: each step runs the forward over the same padded buffers and static core
+outputs, so the padding logic is checked against the plain forward without a GPU.
 """
 
 from __future__ import annotations
