@@ -116,8 +116,7 @@ def test_bench_openai_sweep(cluster, tmp_path, capsys):
         if urls:  # the workers' real step times: both engines (prefill and decode worker) ran steps in the run
             steps = res["engine_steps"]
             assert set(steps) <= set(STEP_KINDS) and {"prefill", "decode"} <= set(steps)
-            assert all(k["steps"] > 0 and k["mean_ms"] == pytest.approx(1e3 * k["seconds"] / k["steps"])
-                       for k in steps.values())
+            assert all(k["steps"] > 0 and 0 < k["mean_ms"] < 60e3 for k in steps.values())
             # busy share: step seconds over the run's duration, summed over the two engines
             assert 0 < res["engine_busy_percent"] <= 200 * 1.05
     assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 1000

@@ -91,15 +91,19 @@ def test_piecewise_engine_generates_the_plain_tokens(k):
 @pytest.mark.gpu
 def test_captured_prefill_graphs_equal_the_plain_forward():
     """Real CUDA graphs (tiny-moe, fp32): every bucket captured up front, then steps of several sizes per bucket
-    replay them; logits and states equal the plain forward's."""
+    replay them; and an engine that captures each bucket on its first step. Logits and states equal the plain
+    forward's."""
     cfg = preset_config("tiny-moe")
     model = random_model(cfg, "cuda", torch.float32, seed=4)
     batches = [prompts([5, 8]), prompts([70], seed=2), prompts([7], seed=3), prompts([150, 50], seed=4),
                prompts([3, 60], seed=5)]  # 8 requests: max_num_seqs
-    plain, piecewise = engine(cfg, model, False, "cuda"), engine(cfg, model, True, "cuda")
+    plain, piecewise, lazy = (engine(cfg, model, graphs, "cuda") for graphs in (False, True, True))
     piecewise.capture_graphs()
     assert set(piecewise.runner.prefill_graphs.pieces) == set(token_buckets(200))
-    for a, b in zip(prefill_logits(piecewise, batches), prefill_logits(plain, batches)):
-        assert (a - b).abs().max() <= 1e-4
-    for (a, b), (c, d) in zip(piecewise.pools.layer_caches, plain.pools.layer_caches):
-        assert (a[1:] - c[1:]).abs().max() <= 1e-4 and (b[1:] - d[1:]).abs().max() <= 1e-4
+    want = prefill_logits(plain, batches)
+    for eng in (piecewise, lazy):
+        for a, b in zip(prefill_logits(eng, batches), want):
+            assert (a - b).abs().max() <= 1e-4
+        for (a, b), (c, d) in zip(eng.pools.layer_caches, plain.pools.layer_caches):
+            assert (a[1:] - c[1:]).abs().max() <= 1e-4 and (b[1:] - d[1:]).abs().max() <= 1e-4
+    assert set(lazy.runner.prefill_graphs.pieces) == {64, 128, 200}

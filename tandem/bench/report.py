@@ -208,6 +208,6 @@ def render(m: dict, spec: dict | None, max_concurrency: int | None, request_rate
         row("Engine busy (% of duration):", steps["busy_percent"], "{:<10.2f}")
         for kind, k in steps["kinds"].items():
             row(f"{kind.capitalize()} steps:", k["steps"])
-            row(f"  mean (ms):", k["mean_ms"], "{:<10.2f}")
+            row("  mean (ms):", k["mean_ms"], "{:<10.2f}")
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -91,14 +91,14 @@ class PrefillGraphs:
         its own (the static output is overwritten by the next step)."""
         T = batch.input_ids.shape[0]
         n = self.bucket_for(T)
+        if self.capture and n not in self.pieces:  # before filling: capturing runs on the null slot only
+            self._capture(n)
         self.input_ids[:T].copy_(batch.input_ids)
         self.positions[:T].copy_(batch.positions)
         self.slot_mapping[:T].copy_(batch.slot_mapping)
         self.slot_mapping[T:n].zero_()  # padding rows: KV to the null slot
         if not self.capture:
             return self._run_uncaptured(n, batch, T)[:T].clone()
-        if n not in self.pieces:
-            self._capture(n)
         p = self.pieces[n]
         for graph, core, out in zip(p.graphs, p.cores, p.outs):
             graph.replay()

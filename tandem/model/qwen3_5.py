@@ -165,13 +165,16 @@ class _FusedGroup:
     rows: list[int]
     index: list[int]
 
+    def __post_init__(self):
+        pad = self.weight.shape[0] - sum(self.rows)
+        self._sizes = self.rows + [pad] if pad else self.rows  # the output's parts, padding last
+
     def __call__(self, x):
         if self.scale_inv is None:
             y = F.linear(x, self.weight)
         else:
             y = w8a8_linear(x, self.weight, self.scale_inv, self.block)
-        pad = y.shape[-1] - sum(self.rows)
-        return y.split(self.rows + [pad] if pad else self.rows, dim=-1)[: len(self.rows)]  # views: no copies
+        return y.split(self._sizes, dim=-1)[: len(self.rows)]  # views: no copies
 
 
 class _FusedProjections(nn.Module):
