@@ -136,14 +136,18 @@ class Engine:
                 log.info("captured %s %s in %.1f s", what, graphs.buckets, time.monotonic() - t0)
 
     def warm_up(self) -> None:
-        """Compiles the prefill kernels before serving (on a GPU the first prompt of a new shape otherwise pays
-        seconds of Triton compiles and autotuning inside a step): a full-budget prompt, then 2, 4, 8 and 16 short
-        ones together (kernel variants depend on the number of requests in a step, by powers of two). Everything
-        is freed afterwards."""
+        """Compiles the prefill kernels before serving (on a GPU the first step of a new kind otherwise waits
+        seconds for Triton to compile and autotune). The prompts reach every tiling the prefill cores pick:
+        a full-budget chunk; 1, 2, 3 and 5 rows (the decode tilings of attention and the conv's row tiles); 16
+        rows (one prefill tile); a short and a long request together (GDN's recurrent and chunked kernels in one
+        step); and a short last chunk on a long context (split-K). Everything is freed afterwards."""
         t0 = time.monotonic()
-        longest = min(self.ecfg.max_num_batched_tokens, self.ecfg.max_model_len - 1 - self.ecfg.num_speculative_tokens)
-        batches = [[longest]] + [[min(longest, 64 + 32 * i) for i in range(n)] for n in (2, 4, 8, 16)
-                                 if n <= self.ecfg.max_num_seqs]
+        budget = self.ecfg.max_num_batched_tokens
+        room = self.ecfg.max_model_len - 1 - self.ecfg.num_speculative_tokens  # longest prompt that can decode
+        batches = [[min(budget, room)], [1], [2], [3], [5], [16], [64, 96]]
+        for tail in (12, 20):  # the prompt of `room` rows ends with a chunk of `tail` rows
+            batches.append([budget + tail] if budget + tail <= room else [budget - room + tail, room])
+        batches = [b for b in batches if len(b) <= self.ecfg.max_num_seqs and max(b) <= room]
         params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
         for lengths in batches:
             ids = [f"__warmup-{i}" for i in range(len(lengths))]

@@ -11,7 +11,7 @@ of one KV head (GQA: the K/V of a KV block are loaded once for all heads that sh
 of a flash-attention tile, and walks that request's KV blocks through its block table with an fp32 online softmax.
 Grid: (tiles, kv_heads, splits).
 - decode / verify (max q_len <= DECODE_MAX_Q): one tile per request (TQ >= max q_len), so the grid's first axis is
-  the batch; split-K over the context (flash-decoding): split s takes the s-th of NUM_SPLITS equal, BLOCK_N-aligned
+  the batch; split-K over the context (flash-decoding): split s takes the s-th of num_splits equal, BLOCK_N-aligned
   slices of the context (at least MIN_CHUNK tokens each, so short contexts leave the later splits empty) and writes
   an fp32 partial output plus its log-sum-exp; `_attn_reduce_kernel` merges them.
 - prefill (any q_len): tiles of TQ = PREFILL_M // GROUP query tokens; a request with q_len rows owns
@@ -68,17 +68,16 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_reqs", "num_tokens", "num_splits"])
     def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr,
         qsl_ptr, seq_lens_ptr, bt_ptr,
-        qk_scale, num_reqs, num_tokens, num_heads,
+        qk_scale, num_reqs, num_tokens, num_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TQ: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-        ONE_TILE_PER_REQ: tl.constexpr, SEARCH_STEPS: tl.constexpr, PRECISION: tl.constexpr,
+        SPLIT_K: tl.constexpr, MIN_CHUNK: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, PRECISION: tl.constexpr,
         LOOP_WHILE: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -91,7 +90,7 @@ if HAS_TRITON:
             # largest request i with tile_start(i) = query_start_loc[i] // TQ + i <= pid
             lo = pid * 0
             hi = lo + num_reqs
-            for _ in tl.static_range(SEARCH_STEPS):
+            while hi - lo > 1:
                 mid = (lo + hi) // 2
                 go = tl.load(qsl_ptr + mid) // TQ + mid <= pid
                 lo = tl.where(go, mid, lo)
@@ -118,11 +117,11 @@ if HAS_TRITON:
 
         # keys this tile needs: positions < kv_end; this split's slice of them: [lo_k, hi_k)
         kv_end = tl.minimum(seq_len, ctx0 + tile * TQ + TQ)
-        if NUM_SPLITS == 1:
+        if not SPLIT_K:
             lo_k = 0
             hi_k = kv_end
         else:
-            chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
             chunk = tl.maximum(chunk, MIN_CHUNK)
             lo_k = split * chunk
             hi_k = tl.minimum(lo_k + chunk, kv_end)
@@ -148,7 +147,7 @@ if HAS_TRITON:
 
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         st_mask = row_ok[:, None] & d_ok[None, :]
-        if NUM_SPLITS == 1:
+        if not SPLIT_K:
             tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=st_mask)
         else:
@@ -258,13 +257,13 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     _paged_attn_kernel[(n_tiles, kv_heads, num_splits)](
         q, k_cache, v_cache, out, o_part, lse_part,
         query_start_loc, seq_lens, block_tables,
-        scale * math.log2(math.e), B, T, H,
+        scale * math.log2(math.e), B, T, H, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, TQ=tq, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_N=bn, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, MIN_CHUNK=triton.cdiv(min_chunk, bn) * bn,
-        ONE_TILE_PER_REQ=decode, SEARCH_STEPS=max(B - 1, 1).bit_length(), PRECISION=precision,
+        BLOCK_N=bn, BLOCK_SIZE=block_size, SPLIT_K=num_splits > 1, MIN_CHUNK=triton.cdiv(min_chunk, bn) * bn,
+        ONE_TILE_PER_REQ=decode, PRECISION=precision,
         LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=NUM_STAGES,
     )

@@ -117,20 +117,21 @@ def _gated_delta_rule_torch(q, k, v, g, beta, state, batch: ForwardBatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Triton kernels. Loop bounds are constexpr (rounded up to powers of two so few variants compile) with the rows of
-# each request masked by its runtime count: Triton's interpreter cannot loop over a runtime bound.
+# Triton kernels. Row loops are `while` loops over each request's runtime count (Triton's interpreter cannot take a
+# tensor as a range() bound), and the counts that vary from step to step are not specialised on: a served step of
+# new shape must not wait on a compile.
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["max_rows"])
     def _gdn_recurrent_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
         q_st, q_sh, k_st, k_sh, v_st, v_sh, g_st, b_st, o_st, o_sh, s_ss, s_sh, s_sk, ws_st,
         max_rows, scale, eps,
         REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        W: tl.constexpr, ROW_BOUND: tl.constexpr,
+        W: tl.constexpr,
     ):
         """One program per (request, value head, dv block); requests with more than max_rows rows are skipped."""
         i = tl.program_id(0)
@@ -149,33 +150,33 @@ if HAS_TRITON:
         mtile = mk[:, None] & mv[None, :]
         s = tl.load(state_ptr + slot * s_ss + h * s_sh + tile, mask=mtile, other=0.0).to(tl.float32)  # [BK, BV]
         tl.debug_barrier()  # the read slot may be one this program overwrites below
-        for j in range(ROW_BOUND):
-            if j < n:
-                t = start + j
-                qv = tl.load(q_ptr + t * q_st + kh * q_sh + offs_k, mask=mk, other=0.0).to(tl.float32)
-                kv = tl.load(k_ptr + t * k_st + kh * k_sh + offs_k, mask=mk, other=0.0).to(tl.float32)
-                qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=0) + eps) * scale
-                kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + eps)
-                vv = tl.load(v_ptr + t * v_st + h * v_sh + offs_v, mask=mv, other=0.0).to(tl.float32)
-                gt = tl.load(g_ptr + t * g_st + h).to(tl.float32)
-                bt = tl.load(beta_ptr + t * b_st + h).to(tl.float32)
-                s = s * tl.exp(gt)
-                delta = (vv - tl.sum(s * kv[:, None], axis=0)) * bt
-                s = s + kv[:, None] * delta[None, :]
-                ov = tl.sum(s * qv[:, None], axis=0)
-                tl.store(o_ptr + t * o_st + h * o_sh + offs_v, ov.to(o_ptr.dtype.element_ty), mask=mv)
-                if (j < W - 1) | (j == n - 1):  # the kept rows (`_kept_rows`)
-                    dst = tl.load(wslots_ptr + i * ws_st + tl.minimum(j, W - 1)).to(tl.int64)
-                    tl.store(state_ptr + dst * s_ss + h * s_sh + tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
+        j = n * 0
+        while j < n:
+            t = start + j
+            qv = tl.load(q_ptr + t * q_st + kh * q_sh + offs_k, mask=mk, other=0.0).to(tl.float32)
+            kv = tl.load(k_ptr + t * k_st + kh * k_sh + offs_k, mask=mk, other=0.0).to(tl.float32)
+            qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=0) + eps) * scale
+            kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + eps)
+            vv = tl.load(v_ptr + t * v_st + h * v_sh + offs_v, mask=mv, other=0.0).to(tl.float32)
+            gt = tl.load(g_ptr + t * g_st + h).to(tl.float32)
+            bt = tl.load(beta_ptr + t * b_st + h).to(tl.float32)
+            s = s * tl.exp(gt)
+            delta = (vv - tl.sum(s * kv[:, None], axis=0)) * bt
+            s = s + kv[:, None] * delta[None, :]
+            ov = tl.sum(s * qv[:, None], axis=0)
+            tl.store(o_ptr + t * o_st + h * o_sh + offs_v, ov.to(o_ptr.dtype.element_ty), mask=mv)
+            if (j < W - 1) | (j == n - 1):  # the kept rows (`_kept_rows`)
+                dst = tl.load(wslots_ptr + i * ws_st + tl.minimum(j, W - 1)).to(tl.int64)
+                tl.store(state_ptr + dst * s_ss + h * s_sh + tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
+            j += 1
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "split"])
     def _causal_conv1d_kernel(
         x_ptr, cs_ptr, w_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
-        x_st, cs_ss, cs_sc, cs_sk, w_sc, w_sk, ws_st, C, T, S0, S1,
-        K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-        BC: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, TILE_BOUND: tl.constexpr,
+        x_st, cs_ss, cs_sc, cs_sk, w_sc, w_sk, ws_st, C, T, S0, S1, split,
+        K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     ):
-        """One program per (request, channel block, split); split p computes row tiles p, p+SPLIT, ... of its
+        """One program per (request, channel block, split); split p computes row tiles p, p+split, ... of its
         request. Only tile 0 reads the slot's inputs (BT >= K-1 whenever there is more than one tile), and split 0
         writes the kept states after all its reads. The output is planar: channels [0, S0), [S0, S1) and [S1, C)
         are three contiguous [T, width] blocks one after another (S0 = S1 = C: one [T, C] block)."""
@@ -194,31 +195,31 @@ if HAS_TRITON:
         o_block = o_ptr + seg_start * T + (c0 - seg_start)
         cs_dt = cs_ptr.dtype.element_ty
         w_dt = w_ptr.dtype.element_ty
-        for it in range(TILE_BOUND):
-            j0 = (it * SPLIT + p) * BT
-            if j0 < n:
-                rows = j0 + tl.arange(0, BT)
-                mr = rows < n
-                x_rows = x_ptr + (start + rows) * x_st
-                acc = tl.zeros([BT, BC], dtype=tl.float32)
-                for tap in tl.static_range(K):
-                    m = rows + (tap - (K - 1))  # input index; < 0: from the slot's K-1 previous inputs
-                    from_x = (m >= 0) & mr
-                    xv = tl.load((x_rows + (tap - (K - 1)) * x_st)[:, None] + cols[None, :],
-                                 mask=from_x[:, None] & mc[None, :], other=0.0).to(cs_dt)
-                    if j0 < K - 1:  # the first tile: its first rows read the slot's inputs
-                        from_s = (m < 0) & mr
-                        sv = tl.load(cs_ptr + slot * cs_ss + cols[None, :] * cs_sc + (K - 1 + m)[:, None] * cs_sk,
-                                     mask=from_s[:, None] & mc[None, :], other=0.0)
-                        win = tl.where(from_x[:, None], xv, sv)
-                    else:
-                        win = xv
-                    wt = tl.load(w_ptr + cols * w_sc + tap * w_sk, mask=mc, other=0.0).to(tl.float32)
-                    acc += win.to(w_dt).to(tl.float32) * wt[None, :]
-                y = acc.to(w_dt).to(tl.float32)  # the reference convolves and applies SiLU in the weight dtype
-                y = (y * tl.sigmoid(y)).to(w_dt)
-                tl.store(o_block + (start + rows)[:, None] * seg_width + tl.arange(0, BC)[None, :],
-                         y.to(o_ptr.dtype.element_ty), mask=mr[:, None] & mc[None, :])
+        j0 = p * BT
+        while j0 < n:
+            rows = j0 + tl.arange(0, BT)
+            mr = rows < n
+            x_rows = x_ptr + (start + rows) * x_st
+            acc = tl.zeros([BT, BC], dtype=tl.float32)
+            for tap in tl.static_range(K):
+                m = rows + (tap - (K - 1))  # input index; < 0: from the slot's K-1 previous inputs
+                from_x = (m >= 0) & mr
+                xv = tl.load((x_rows + (tap - (K - 1)) * x_st)[:, None] + cols[None, :],
+                             mask=from_x[:, None] & mc[None, :], other=0.0).to(cs_dt)
+                if j0 < K - 1:  # the first tile: its first rows read the slot's inputs
+                    from_s = (m < 0) & mr
+                    sv = tl.load(cs_ptr + slot * cs_ss + cols[None, :] * cs_sc + (K - 1 + m)[:, None] * cs_sk,
+                                 mask=from_s[:, None] & mc[None, :], other=0.0)
+                    win = tl.where(from_x[:, None], xv, sv)
+                else:
+                    win = xv
+                wt = tl.load(w_ptr + cols * w_sc + tap * w_sk, mask=mc, other=0.0).to(tl.float32)
+                acc += win.to(w_dt).to(tl.float32) * wt[None, :]
+            y = acc.to(w_dt).to(tl.float32)  # the reference convolves and applies SiLU in the weight dtype
+            y = (y * tl.sigmoid(y)).to(w_dt)
+            tl.store(o_block + (start + rows)[:, None] * seg_width + tl.arange(0, BC)[None, :],
+                     y.to(o_ptr.dtype.element_ty), mask=mr[:, None] & mc[None, :])
+            j0 += split * BT
         if p == 0:
             # The state after row j is inputs j-K+2 .. j. Column c < W-1 keeps row c (if c < n), column W-1 row
             # n-1 (if n >= W). All kept states are loaded before any is stored: a write slot may be the read slot.
@@ -273,7 +274,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, state, batch: ForwardBatch, out=No
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), wslots.stride(0),
         max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6,
-        REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W, ROW_BOUND=_pow2(max(todo)),
+        REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W,
         num_warps=8 if block_v >= 32 else 4,  # dk=128: 128 registers a thread either way, no spills (sm_90)
     )
     return out
@@ -381,8 +382,7 @@ def causal_conv1d_triton(x, conv_state, weight, batch: ForwardBatch, splits=None
     _causal_conv1d_kernel[(B, ncb, split)](
         x, conv_state, weight, out, batch.query_start_loc, batch.state_slots, wslots,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), weight.stride(0),
-        weight.stride(1), wslots.stride(0), C, T, s0, s1,
-        K=K, KP=_pow2(K - 1), W=W, WP=_pow2(W), BC=bc, BT=bt, SPLIT=split,
-        TILE_BOUND=_pow2(triton.cdiv(tiles, split)), num_warps=4,
+        weight.stride(1), wslots.stride(0), C, T, s0, s1, split,
+        K=K, KP=_pow2(K - 1), W=W, WP=_pow2(W), BC=bc, BT=bt, num_warps=4,
     )
     return _planar(out, T, splits)
