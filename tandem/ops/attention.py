@@ -156,7 +156,7 @@ if HAS_TRITON:
             tl.store(lse_part_ptr + prow, lse, mask=row_ok)
             tl.store(o_part_ptr + prow[:, None] * HEAD_DIM + d[None, :], o, mask=st_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_rows"])
     def _attn_reduce_kernel(out_ptr, o_part_ptr, lse_part_ptr, num_rows, num_heads, stride_ot, stride_oh,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):

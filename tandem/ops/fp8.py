@@ -121,7 +121,7 @@ if HAS_TRITON:
         tl.store(q_ptr + r * K + cols, q, mask=ok)
         tl.store(s_ptr + r * KB + g, sc, mask=g < KB)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N: tl.constexpr,
                      K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):

@@ -70,7 +70,7 @@ if HAS_TRITON:
         tl.store(w_out_ptr + t * TOP_K + ks, top_w.to(w_out_ptr.dtype.element_ty), mask=ks < TOP_K)
         tl.store(e_out_ptr + t * TOP_K + ks, top_e, mask=ks < TOP_K)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])
     def _moe_count_kernel(experts_ptr, counts_ptr, N, E_P2: tl.constexpr, CHUNK: tl.constexpr):
         """counts[c] = histogram of the experts of pairs [c * CHUNK, (c + 1) * CHUNK)."""
         c = tl.program_id(0)
@@ -78,7 +78,7 @@ if HAS_TRITON:
         e = tl.load(experts_ptr + pair, mask=pair < N, other=0).to(tl.int32)
         tl.store(counts_ptr + c * E_P2 + tl.arange(0, E_P2), tl.histogram(e, E_P2, mask=pair < N))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N", "n_chunks"])
     def _moe_align_kernel(experts_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, n_chunks,
                           E_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr):
         """One program per chunk of CHUNK pairs. The counts of all chunks (this one's histogram, the others' from
@@ -135,7 +135,7 @@ if HAS_TRITON:
         pair = tl.load(sorted_ptr + offs_m)
         return e, offs_m, pair, pair < N_PAIRS
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N_PAIRS"])
     def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr, N_PAIRS,
                             stride_x, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -188,7 +188,7 @@ if HAS_TRITON:
         out_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * I + n[None, :]
         tl.store(out_ptrs, act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N_PAIRS"])
     def _moe_down_kernel(inter_ptr, is_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr,
                          N_PAIRS, H: tl.constexpr, I: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -40,7 +40,7 @@ if HAS_TRITON:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n_cols + cols, (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_rows, n_cols, heads, stride_zt, stride_zh, eps,
                                BLOCK: tl.constexpr, ROWS: tl.constexpr):
         """ROWS rows of x (contiguous [n_rows, n_cols]) per program; row r's gate is z[r // heads, r % heads], read
