@@ -35,6 +35,7 @@ DECODE_BLOCK_N, PREFILL_M, PREFILL_BLOCK_N, NUM_STAGES = 32, 128, 64, 2  # prefi
 WIDE_TILE = 32 * 256  # tiles of more than this many (row, dim) elements run 8 warps (the fp32 accumulator), else 4
 MIN_CHUNK = 64  # fewest context tokens one split takes (multiple of both BLOCK_Ns)
 MAX_SPLITS = 64
+SEARCH_STEPS = 16  # the prefill tiling's binary search over requests: one variant for up to 2**16 requests
 PROGRAMS_PER_SM = 2  # split-K aims at this many programs per SM
 
 if HAS_TRITON:
@@ -75,7 +76,7 @@ if HAS_TRITON:
         qk_scale, num_reqs, num_tokens, num_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TQ: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TQ: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT_K: tl.constexpr, MIN_CHUNK: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, PRECISION: tl.constexpr,
         LOOP_WHILE: tl.constexpr,
@@ -90,7 +91,7 @@ if HAS_TRITON:
             # largest request i with tile_start(i) = query_start_loc[i] // TQ + i <= pid
             lo = pid * 0
             hi = lo + num_reqs
-            while hi - lo > 1:
+            for _ in tl.static_range(SEARCH_STEPS):  # steps past convergence keep lo (mid = lo, go holds)
                 mid = (lo + hi) // 2
                 go = tl.load(qsl_ptr + mid) // TQ + mid <= pid
                 lo = tl.where(go, mid, lo)
@@ -227,7 +228,8 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     T, H, D = q.shape
     B = seq_lens.shape[0]
     _, block_size, kv_heads, _ = k_cache.shape
-    assert H % kv_heads == 0 and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert H % kv_heads == 0 and B < 2**SEARCH_STEPS
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     group = H // kv_heads
     group_p2 = triton.next_power_of_2(group)
     if out is None:
@@ -261,7 +263,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_P2=group_p2, TQ=tq, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        GROUP=group, GROUP_P2=group_p2, TQ=tq, SEARCH_STEPS=SEARCH_STEPS, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_N=bn, BLOCK_SIZE=block_size, SPLIT_K=num_splits > 1, MIN_CHUNK=triton.cdiv(min_chunk, bn) * bn,
         ONE_TILE_PER_REQ=decode, PRECISION=precision,
         LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1",
