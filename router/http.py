@@ -191,15 +191,17 @@ class _Api:
 
     @web.middleware
     async def authenticate(self, request, handler):
-        """/v1/* needs `Authorization: Bearer KEY` when the router has a key; /health stays open for probes."""
-        if self.api_key and request.path.startswith("/v1/") and \
+        """/v1/* and the tokenizer routes need `Authorization: Bearer KEY` when the router has a key; /health stays
+        open for probes."""
+        if self.api_key and request.path.startswith(("/v1/", "/tokenize", "/detokenize")) and \
                 not bearer_ok(request.headers.get("Authorization"), self.api_key):
             return ApiError(401, "missing or invalid API key", "invalid_request_error", code="invalid_api_key").response()
         return await handler(request)
 
     def routes(self) -> list:
         return [web.get("/health", self.health_check), web.get("/v1/models", self.models),
-                web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat)]
+                web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+                web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)]
 
     # -- simple endpoints
     async def health_check(self, request) -> web.Response:
@@ -216,6 +218,42 @@ class _Api:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
                 "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
         return web.json_response({"object": "list", "data": [card]})
+
+    # -- vLLM's tokenizer routes (`vllm bench serve` aligns its prompts to the server's tokenizer through them)
+    def _tokenizer(self):
+        if self.tok is None:
+            raise bad("this model has no tokenizer: prompts must be token ids")
+        return self.tok
+
+    async def tokenize(self, request) -> web.Response:
+        try:
+            body = await self._body(request)
+            tok = self._tokenizer()
+            if "messages" in body:
+                ids = self._chat_prompt(body)
+            else:
+                prompt = _field(body, "prompt", (str,), None)
+                if prompt is None:
+                    raise bad("'prompt' (a string) or 'messages' is required", "prompt")
+                ids = tok.encode(prompt, add_special_tokens=_field(body, "add_special_tokens", (bool,), True))
+            out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+            if _field(body, "return_token_strs", (bool,), False):
+                out["token_strs"] = tok.convert_ids_to_tokens(ids)
+        except ApiError as e:
+            return e.response()
+        return web.json_response(out)
+
+    async def detokenize(self, request) -> web.Response:
+        try:
+            body = await self._body(request)
+            tok = self._tokenizer()
+            tokens = body.get("tokens")
+            vocab = len(tok)
+            if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+                raise bad(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+        except ApiError as e:
+            return e.response()
+        return web.json_response({"prompt": tok.decode(tokens)})
 
     async def _speculative_tokens(self) -> int:
         if self._k is None:

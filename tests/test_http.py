@@ -160,6 +160,26 @@ def test_errors(client, url):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
+def test_tokenize_and_detokenize(server, url):
+    """vLLM's tokenizer routes (its `bench serve` aligns prompts through them): the model's own tokenizer."""
+    _, _, tok = server
+    r = requests.post(url + "/tokenize", timeout=10,
+                      json={"model": "text-model", "prompt": "Hello there", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello there") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN and r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    messages = [{"role": "user", "content": "hi"}]
+    r = requests.post(url + "/tokenize", json={"messages": messages}, timeout=10).json()
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert r["tokens"] == tok.encode(want, add_special_tokens=False)
+    r = requests.post(url + "/detokenize", json={"tokens": tok.encode("Hello there")}, timeout=10).json()
+    assert r["prompt"] == "Hello there"
+    for path, body, param in [("/detokenize", {"tokens": [len(tok)]}, "tokens"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        r = requests.post(url + path, json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+    assert requests.post(url + "/tokenize", json={"model": "other", "prompt": "x"}, timeout=10).status_code == 404
+
+
 def test_chat_needs_template(server):
     cluster, _, _ = server
     http = start_http_server(cluster.address, "127.0.0.1", 0, "text-model", None, MAX_MODEL_LEN)
