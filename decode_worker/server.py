@@ -281,7 +281,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
                 if done:
                     self.metrics.request_decode_time_seconds.observe(time.monotonic() - rec.installed_at)
             if new or done:
-                rec.channel.put(Output(new, lps, done))
+                self.loop.defer(rec.channel.put, Output(new, lps, done))
             if done:
                 with self._lock:
                     if not rec.attached:  # the output waits in the channel for its stream until the lease expires
@@ -307,7 +307,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             self.metrics.prompt_tokens_total.inc(len(seq.prompt_token_ids))
             self.metrics.request_prefill_time_seconds.observe(now - rec.prefill_started)
             self.metrics.generation_tokens_total.inc(1)
-        self._resolve_first(rec, Output(seq.output_token_ids[:1], lps, done, prompt_logprobs=seq.prompt_logprobs))
+        self.loop.defer(self._resolve_first, rec,
+                        Output(seq.output_token_ids[:1], lps, done, prompt_logprobs=seq.prompt_logprobs))
 
     def _record_speculation(self) -> None:
         """Adds what the engine's cumulative speculation counters gained in this step."""

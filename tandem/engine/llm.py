@@ -123,6 +123,7 @@ class Engine:
         self.generators: dict[str, torch.Generator] = {}
         self.sequences: dict[str, Sequence] = {}
         self.last_step: StepShape | None = None  # of the latest step (None: it had nothing to run)
+        self.on_launch = None  # called once a step's forward is on the device, before the step waits for it
 
     def capture_graphs(self) -> None:
         """Captures the decode graph of every batch bucket and the prefill graphs of every token bucket now (a
@@ -236,6 +237,10 @@ class Engine:
         finished = self._decode(decode) if decode else []
         return finished + (self._prefill(prefill) if prefill else [])
 
+    def _launched(self) -> None:
+        if self.on_launch is not None:
+            self.on_launch()
+
     def _emit(self, seq: Sequence, tok: int, logprob) -> bool:
         """Appends a token; finishes the sequence (and returns True) when a stop rule fires."""
         seq.output_token_ids.append(tok)
@@ -260,6 +265,7 @@ class Engine:
         every row whose next token is now known feeds the draft head (the completed ones also draft)."""
         k, model = self.ecfg.num_speculative_tokens, self.runner.model
         batch, hidden = self.runner.forward(chunks)
+        self._launched()
         qsl = batch.query_start_loc_cpu
         if any(c.seq.params.prompt_logprobs is not None for c in chunks):
             self._prompt_logprobs(chunks, hidden, qsl)
@@ -327,6 +333,7 @@ class Engine:
         else:
             batch, hidden = self.runner.forward(chunks)
             logits = model.compute_logits(hidden)
+        self._launched()
         views, starts = [], []
         for c in chunks:
             starts.append(len(views))

@@ -1,0 +1,66 @@
+"""EngineLoop's deferred hand-offs: what `after_step` defers runs once the next step has launched its forward
+(`Engine.on_launch`), or before a queued call, or when the loop goes idle -- never lost, never reordered."""
+
+import time
+from types import SimpleNamespace
+
+from tandem.engine.loop import EngineLoop
+
+
+class FakeEngine:
+    """Runs `steps` steps; each records its launch and its end around the `on_launch` hook, as Engine.step does."""
+
+    def __init__(self, steps: int, launch: bool = True):
+        self.left, self.launch, self.events, self.last_step = steps, launch, [], None
+        self.on_launch, self.scheduler = None, SimpleNamespace(running=[])
+
+    def has_work(self) -> bool:
+        return self.left > 0
+
+    def step(self):
+        i = self.left
+        self.events.append(("launched", i))
+        if self.launch:
+            self.on_launch()
+        self.events.append(("waited", i))
+        self.left -= 1
+        return []
+
+
+def run(eng: FakeEngine, last_event, on_loop=None) -> None:
+    """Runs a loop whose after_step defers ("out", i) for step i, until `last_event` shows (at most 10 s)."""
+    loop = EngineLoop(eng, lambda active, finished: loop.defer(eng.events.append, ("out", eng.left + 1)),
+                      lambda exc, active: None, idle_wait=0.01)
+    loop.start()
+    if on_loop is not None:
+        loop.call(lambda engine: on_loop(loop))
+    deadline = time.monotonic() + 10
+    while last_event not in eng.events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.stop()
+
+
+def test_outputs_go_out_while_the_next_step_runs_and_the_last_when_idle():
+    eng = FakeEngine(3)
+    run(eng, ("out", 1))
+    assert eng.events == [("launched", 3), ("waited", 3),
+                          ("launched", 2), ("out", 3), ("waited", 2),
+                          ("launched", 1), ("out", 2), ("waited", 1),
+                          ("out", 1)]  # the last step's, once the loop has nothing left to run
+
+
+def test_a_step_that_launches_nothing_still_lets_the_earlier_outputs_out_in_order():
+    eng = FakeEngine(2, launch=False)  # the hook never fires: each step's end lets the earlier outputs out
+    run(eng, ("out", 1))
+    assert eng.events == [("launched", 2), ("waited", 2), ("launched", 1), ("waited", 1), ("out", 2), ("out", 1)]
+
+
+def test_a_queued_call_runs_after_the_outputs_deferred_before_it():
+    eng = FakeEngine(0)
+
+    def defer_then_call(loop):  # on the loop thread, as after_step would
+        loop.defer(eng.events.append, "out")
+        loop.submit(lambda engine: eng.events.append("call"))
+
+    run(eng, "call", on_loop=defer_then_call)
+    assert eng.events == ["out", "call"]
