@@ -81,6 +81,9 @@ def test_w8a8_kernel_cpu_interpreter(M, N, K, block, tiles, dtype):
     check_linear(out, x, q, s, block, rtol=2e-6 if dtype == torch.float32 else 2**-8)
     # a split GEMM leaves its tile counters at zero for the next one, and adds its partials in a fixed order
     assert torch.equal(fp8.w8a8_linear_triton(x, q, s, block, tiles=tiles), out)
+    # x quantised inside the GEMM (decode sizes) or by its own launch first: the same values, the same result
+    fused, apart = (fp8.w8a8_linear_triton(x, q, s, block, tiles=tiles, fuse_quant=f) for f in (True, False))
+    assert torch.equal(fused, apart)
 
 
 def test_w8a8_reference_and_dispatch():
@@ -163,6 +166,8 @@ def test_w8a8_gpu(M, N, K):
     out = fp8.w8a8_linear(x, q, s, block)
     check_linear(out, x, q, s, block, rtol=2**-8)
     assert torch.equal(fp8.w8a8_linear(x, q, s, block), out)  # split-K: counters reset, partials in fixed order
+    apart = fp8.w8a8_linear_triton(x, q, s, block, fuse_quant=M > fp8.FUSE_QUANT_MAX_ROWS)  # the other way
+    assert torch.equal(apart, out)
 
 
 @pytest.mark.gpu
