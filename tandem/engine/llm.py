@@ -228,14 +228,24 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[Sequence]:
-        """Runs one step; returns the sequences that finished in it. Decode requests (past their prompt) and
-        prompt chunks run as two forwards: the decode one has a fixed shape (a CUDA graph when enabled)."""
+        """Runs one step; returns the sequences that finished in it. A step of decode requests (past their
+        prompt) alone runs their fixed-shape forward (a CUDA graph when enabled); a step of prompt chunks, with or
+        without decode requests, runs one forward over all its rows (piecewise graphs when enabled), so the
+        weights are read once for both."""
         chunks = self.scheduler.schedule()
         decode = [c for c in chunks if not c.seq.in_prefill]
         prefill = [c for c in chunks if c.seq.in_prefill]
         self.last_step = StepShape(len(decode), sum(c.num_tokens for c in prefill)) if chunks else None
-        finished = self._decode(decode) if decode else []
-        return finished + (self._prefill(prefill) if prefill else [])
+        if not prefill:
+            return self._decode(decode) if decode else []
+        forced = self._emulated(decode)
+        batch, hidden = self.runner.forward(decode + prefill)
+        self._launched()
+        n = sum(c.num_tokens for c in decode)  # decode rows come first
+        finished = self._verified(decode, hidden[:n], self.runner.model.compute_logits(hidden[:n]), forced,
+                                  drafted=False) if decode else []
+        qsl = [q - n for q in batch.query_start_loc_cpu[len(decode):]]
+        return finished + self._prefilled(prefill, hidden[n:], qsl)
 
     def _launched(self) -> None:
         if self.on_launch is not None:
@@ -260,13 +270,11 @@ class Engine:
         return [[rates is not None and self._emulation_rng.random() < rates[j] for j in range(len(c.seq.drafts))]
                 for c in chunks]
 
-    def _prefill(self, chunks) -> list[Sequence]:
-        """Prompt chunks: a request whose prompt completes samples its first token at its last row; with MTP,
-        every row whose next token is now known feeds the draft head (the completed ones also draft)."""
+    def _prefilled(self, chunks, hidden: torch.Tensor, qsl: list[int]) -> list[Sequence]:
+        """Prompt chunks after their forward (`hidden` their rows, `qsl` each chunk's first row in it): a request
+        whose prompt completes samples its first token at its last row; with MTP, every row whose next token is
+        now known feeds the draft head (the completed ones also draft)."""
         k, model = self.ecfg.num_speculative_tokens, self.runner.model
-        batch, hidden = self.runner.forward(chunks)
-        self._launched()
-        qsl = batch.query_start_loc_cpu
         if any(c.seq.params.prompt_logprobs is not None for c in chunks):
             self._prompt_logprobs(chunks, hidden, qsl)
         done = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
@@ -319,11 +327,8 @@ class Engine:
                 seq.prompt_logprobs.append(d)
 
     def _decode(self, chunks) -> list[Sequence]:
-        """Decode requests, each at its last token plus its drafts: every row is sampled in one batch (row j of a
-        request in the context of its first j drafts), drafts are kept while they agree with the sampled tokens,
-        and the MTP head drafts the next ones from the last accepted row. On the graph path acceptance and drafting
-        run on the device as well, and the step waits for the device once (`DecodeGraphs.accept_and_draft`); the
-        host loop below then only replays the stop rules, logprobs and generators on the tokens that came back."""
+        """A step of decode requests alone, each at its last token plus its drafts: their forward (the verify CUDA
+        graph when the batch fits one), then `_verified`."""
         k, model, graphs = self.ecfg.num_speculative_tokens, self.runner.model, self.graphs
         use_graph = graphs is not None and graphs.fits(chunks)
         drafted = use_graph and k > 0  # acceptance and the next drafts come from the device
@@ -334,6 +339,16 @@ class Engine:
             batch, hidden = self.runner.forward(chunks)
             logits = model.compute_logits(hidden)
         self._launched()
+        return self._verified(chunks, hidden, logits, forced, drafted)
+
+    def _verified(self, chunks, hidden: torch.Tensor, logits: torch.Tensor, forced, drafted: bool) -> list[Sequence]:
+        """Decode requests after their forward (`hidden` and `logits` their rows): every row is sampled in one
+        batch (row j of a request in the context of its first j drafts), drafts are kept while they agree with the
+        sampled tokens, and the MTP head drafts the next ones from the last accepted row. When `drafted` (the
+        graph path) acceptance and drafting ran on the device as well, and the step waits for the device once
+        (`DecodeGraphs.accept_and_draft`); the host loop below then only replays the stop rules, logprobs and
+        generators on the tokens that came back."""
+        k, model, graphs = self.ecfg.num_speculative_tokens, self.runner.model, self.graphs
         views, starts = [], []
         for c in chunks:
             starts.append(len(views))
