@@ -1,0 +1,49 @@
+"""A served step never waits on a Triton compile: after `Engine.warm_up` and `Engine.capture_graphs` (what a worker
+does before it serves), a continuous-batching workload -- prompts of many lengths joining while others decode,
+k = 2 drafts, chunked prefill -- compiles no kernel. Triton's post-compile hook names each compile and its specialisation. GPU only: the
+interpreter compiles nothing."""
+
+import random
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.llm import Engine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.model.presets import preset_config, random_model
+
+
+def workload(eng: Engine, seed: int = 0, requests: int = 48) -> None:
+    rng = random.Random(seed)
+    added = 0
+    while added < requests or eng.has_work():
+        for _ in range(rng.randint(0, 3) if added < requests else 0):  # arrivals between steps
+            n = rng.choice([1, 2, 3, 5, 9, 17, 40, 63, 64, 65, 200]) if rng.random() < 0.5 else rng.randint(1, 700)
+            eng.add_request(f"r{added}", [rng.randrange(2, 500) for _ in range(n)],
+                            SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True, temperature=0.0))
+            added += 1
+        eng.step()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-dense"])
+def test_no_kernel_compiles_after_warm_up(name):
+    import triton
+
+    cfg = preset_config(name)
+    model = random_model(cfg, "cuda", torch.bfloat16, seed=0)
+    eng = Engine(cfg, model, EngineConfig(block_size=16, max_num_seqs=16, max_model_len=1024,
+                                          max_num_batched_tokens=256, num_speculative_tokens=2, device="cuda"))
+    eng.warm_up()
+    eng.capture_graphs()
+    compiled = []
+    knobs = triton.knobs.runtime
+    old, knobs.jit_post_compile_hook = knobs.jit_post_compile_hook, \
+        lambda *args, **kw: compiled.append(kw.get("repr"))  # the kernel, its launch options and specialisation
+    try:
+        workload(eng)
+    finally:
+        knobs.jit_post_compile_hook = old
+    assert compiled == []
+    assert eng.pools.blocks.num_used == 0 and eng.pools.slots.num_used == 0
