@@ -152,6 +152,10 @@ def test_fp8_fused_experts_cpu_interpreter(T, E, top_k):
     assert not buf.isnan().any(), "an element of the per-pair buffer was not written"
     check_experts(got, want, 1e-4, 1e-5)
     check_experts(moe.fused_experts(x, gate_up, down, weights, experts, **kw), want, 1e-4, 1e-5)  # torch path
+    # x and SiLU(gate) * up quantised inside the GEMMs (decode sizes) or by launches of their own: equal
+    fused, apart = (moe.fused_experts_triton(x, gate_up, down, weights, experts, gate_up_cfg=(32, 16, 4, 1),
+                                             down_cfg=(32, 16, 4, 1), fuse_quant=f, **kw) for f in (True, False))
+    assert torch.equal(fused, apart)
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -184,6 +188,9 @@ def test_fp8_fused_experts_gpu(T):
     # the oracle: the torch reference path in fp32 (its own quantisation of x and of SiLU(gate) * up)
     want = moe._fused_experts_torch(x.float(), gate_up, down, weights, experts, **kw).double()
     check_experts(got, want, 5e-2, 2e-2)
+    apart = moe.fused_experts_triton(x, gate_up, down, weights.to(torch.bfloat16), experts,
+                                     fuse_quant=T > fp8.FUSE_QUANT_MAX_ROWS, **kw)  # the other quantisation
+    assert torch.equal(apart, got)
 
 
 @pytest.mark.gpu
