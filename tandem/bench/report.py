@@ -205,7 +205,7 @@ def render(m: dict, spec: dict | None, max_concurrency: int | None, request_rate
                 row(f"  Position {i}:", 100.0 * r, "{:<10.2f}")
     if steps is not None:  # ours: vLLM's report has no such section
         lines.append("Engine Steps".center(50, "-"))
-        row("Engine busy (% of duration):", steps["busy_percent"], "{:<10.2f}")
+        row("Engine busy (% summed over engines):", steps["busy_percent"], "{:<10.2f}")
         for kind, k in steps["kinds"].items():
             row(f"{kind.capitalize()} steps:", k["steps"])
             row("  mean (ms):", k["mean_ms"], "{:<10.2f}")
