@@ -3,7 +3,7 @@ once, at most --max-num-seqs running (so a finished request's place goes to the 
 concurrency of --max-num-seqs), with every step timed and classed by what it ran:
 
   decode   only decode/verify rows (the CUDA-graph path on a GPU)
-  mixed    decode rows and prompt chunks in one step (the decode part, then the chunks)
+  mixed    decode rows and prompt chunks in one step (one forward over both)
   prefill  prompt chunks only
 
 Compared with `tandem bench serve` at the same concurrency, it separates the engine's cost from the serving
