@@ -123,7 +123,7 @@ class Engine:
         self.generators: dict[str, torch.Generator] = {}
         self.sequences: dict[str, Sequence] = {}
         self.last_step: StepShape | None = None  # of the latest step (None: it had nothing to run)
-        self.on_launch = None  # called once a step's forward is on the device, before the step waits for it
+        self.on_launch = None  # called once a step's first work is on the device, before the step waits for it
 
     def capture_graphs(self) -> None:
         """Captures the decode graph of every batch bucket and the prefill graphs of every token bucket now (a
@@ -239,8 +239,9 @@ class Engine:
         if not prefill:
             return self._decode(decode) if decode else []
         forced = self._emulated(decode)
-        batch, hidden = self.runner.forward(decode + prefill)
-        self._launched()
+        # the earlier step's outputs go out once this forward's first graph is queued, not after its whole launch
+        # (the eager cores take milliseconds of host time; the tokens would wait for them)
+        batch, hidden = self.runner.forward(decode + prefill, on_launch=self._launched)
         n = sum(c.num_tokens for c in decode)  # decode rows come first
         finished = self._verified(decode, hidden[:n], self.runner.model.compute_logits(hidden[:n]), forced,
                                   drafted=False) if decode else []
@@ -335,10 +336,10 @@ class Engine:
         forced = self._emulated(chunks)
         if use_graph:
             hidden, logits = graphs.verify(chunks, forced)
+            self._launched()
         else:
-            batch, hidden = self.runner.forward(chunks)
+            batch, hidden = self.runner.forward(chunks, on_launch=self._launched)
             logits = model.compute_logits(hidden)
-        self._launched()
         return self._verified(chunks, hidden, logits, forced, drafted)
 
     def _verified(self, chunks, hidden: torch.Tensor, logits: torch.Tensor, forced, drafted: bool) -> list[Sequence]:

@@ -86,9 +86,10 @@ class PrefillGraphs:
             logits_indices=torch.tensor([n - 1], device=dev), query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, on_launch=None) -> torch.Tensor:
         """The model over `batch` (at most the largest bucket's rows) -> final hidden states [T, H], a tensor of
-        its own (the static output is overwritten by the next step)."""
+        its own (the static output is overwritten by the next step). `on_launch()` runs once the first graph is
+        on the device (at the start on a CPU)."""
         T = batch.input_ids.shape[0]
         n = self.bucket_for(T)
         if self.capture and n not in self.pieces:  # before filling: capturing runs on the null slot only
@@ -98,10 +99,14 @@ class PrefillGraphs:
         self.slot_mapping[:T].copy_(batch.slot_mapping)
         self.slot_mapping[T:n].zero_()  # padding rows: KV to the null slot
         if not self.capture:
+            if on_launch is not None:
+                on_launch()
             return self._run_uncaptured(n, batch, T)[:T].clone()
         p = self.pieces[n]
-        for graph, core, out in zip(p.graphs, p.cores, p.outs):
+        for i, (graph, core, out) in enumerate(zip(p.graphs, p.cores, p.outs)):
             graph.replay()
+            if i == 0 and on_launch is not None:
+                on_launch()
             core(batch, rows=T, out=out[:T])
         p.graphs[-1].replay()
         return p.hidden[:T].clone()
