@@ -23,6 +23,7 @@ from tandem.engine.spec import SpecStats, VerifyRow, draft
 from tandem.engine.sequence import Sequence, Status
 from tandem.model.loader import load_checkpoint
 from tandem.model.presets import PRESETS, preset_config, random_model
+from tandem.ops.attention import DECODE_MAX_Q
 from tandem.parallel import SINGLE, LeaderModel, TPGroup, check_divisible, launch
 from tandem.tokenizer import load_tokenizer
 
@@ -96,6 +97,19 @@ class StepShape:
         return "prefill"
 
 
+class _Drafts:
+    """What the MTP head runs after a step: (sequence, first position, tokens) items, their rows of the step's
+    hidden states, and whether each drafts (a mid-prompt chunk only fills the head's KV)."""
+
+    def __init__(self):
+        self.items, self.rows, self.drafting = [], [], []
+
+    def add(self, item, rows: range, drafting: bool) -> None:
+        self.items.append(item)
+        self.rows.extend(rows)
+        self.drafting.append(drafting)
+
+
 class Engine:
     """Owns the model, the cache pools, the scheduler and the runner; `step()` runs one batched forward.
 
@@ -139,14 +153,16 @@ class Engine:
     def warm_up(self) -> None:
         """Compiles the prefill kernels before serving (on a GPU the first step of a new kind otherwise waits
         seconds for Triton to compile and autotune). The prompts reach every tiling the prefill cores pick:
-        a full-budget chunk; 1, 2, 3 and 5 rows (the decode tilings of attention and the conv's row tiles); 16
-        rows (one prefill tile); a short and a long request together (GDN's recurrent and chunked kernels in one
-        step); and a short last chunk on a long context (split-K). Everything is freed afterwards."""
+        a full-budget chunk; 1, 2, 3 and 5 rows (the decode tilings of attention and the conv's row tiles); the
+        fewest rows of attention's prefill tiling, one tile when its tiles are that tall; a short and a long
+        request together (GDN's recurrent and chunked kernels in one step); and short last chunks on a long
+        context (split-K, one tile and several). Everything is freed afterwards."""
         t0 = time.monotonic()
         budget = self.ecfg.max_num_batched_tokens
         room = self.ecfg.max_model_len - 1 - self.ecfg.num_speculative_tokens  # longest prompt that can decode
-        batches = [[min(budget, room)], [1], [2], [3], [5], [16], [64, 96]]
-        for tail in (12, 20):  # the prompt of `room` rows ends with a chunk of `tail` rows
+        short = DECODE_MAX_Q + 1  # rows past attention's decode tiling
+        batches = [[min(budget, room)], [1], [2], [3], [5], [short], [64, 96]]
+        for tail in (short, 20):  # the prompt of `room` rows ends with a chunk of `tail` rows
             batches.append([budget + tail] if budget + tail <= room else [budget - room + tail, room])
         batches = [b for b in batches if len(b) <= self.ecfg.max_num_seqs and max(b) <= room]
         params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
@@ -242,11 +258,19 @@ class Engine:
         # the earlier step's outputs go out once this forward's first graph is queued, not after its whole launch
         # (the eager cores take milliseconds of host time; the tokens would wait for them)
         batch, hidden = self.runner.forward(decode + prefill, on_launch=self._launched)
-        n = sum(c.num_tokens for c in decode)  # decode rows come first
-        finished = self._verified(decode, hidden[:n], self.runner.model.compute_logits(hidden[:n]), forced,
-                                  drafted=False) if decode else []
-        qsl = [q - n for q in batch.query_start_loc_cpu[len(decode):]]
-        return finished + self._prefilled(prefill, hidden[n:], qsl)
+        n, todo = sum(c.num_tokens for c in decode), _Drafts()  # decode rows come first
+        finished = self._verified(decode, self.runner.model.compute_logits(hidden[:n]), forced, False,
+                                  todo) if decode else []
+        finished += self._prefilled(prefill, hidden, batch.query_start_loc_cpu[len(decode):], todo)
+        self._draft(todo, hidden)  # one pass of the MTP head for the decode requests and the prompts
+        return finished
+
+    def _draft(self, todo: "_Drafts", hidden: torch.Tensor) -> None:
+        if todo.items:
+            drafts = draft(self.runner.model, self.runner, self.pools, todo.items, hidden[todo.rows], todo.drafting,
+                           self.ecfg.num_speculative_tokens)
+            for (seq, _, _), d in zip(todo.items, drafts):
+                seq.drafts = d
 
     def _launched(self) -> None:
         if self.on_launch is not None:
@@ -271,10 +295,10 @@ class Engine:
         return [[rates is not None and self._emulation_rng.random() < rates[j] for j in range(len(c.seq.drafts))]
                 for c in chunks]
 
-    def _prefilled(self, chunks, hidden: torch.Tensor, qsl: list[int]) -> list[Sequence]:
-        """Prompt chunks after their forward (`hidden` their rows, `qsl` each chunk's first row in it): a request
-        whose prompt completes samples its first token at its last row; with MTP, every row whose next token is
-        now known feeds the draft head (the completed ones also draft)."""
+    def _prefilled(self, chunks, hidden: torch.Tensor, qsl: list[int], todo: "_Drafts") -> list[Sequence]:
+        """Prompt chunks after the step's forward (`hidden` its rows, chunk i's from qsl[i] to qsl[i + 1]): a
+        request whose prompt completes samples its first token at its last row; with MTP, every row whose next
+        token is now known goes to `todo` for the draft head (the completed ones also draft)."""
         k, model = self.ecfg.num_speculative_tokens, self.runner.model
         if any(c.seq.params.prompt_logprobs is not None for c in chunks):
             self._prompt_logprobs(chunks, hidden, qsl)
@@ -283,7 +307,7 @@ class Engine:
             tokens, lps = sample(model.compute_logits(hidden[[qsl[i + 1] - 1 for i in done]]),
                                  [chunks[i].seq for i in done], self.generators)
             first = dict(zip(done, zip(tokens.tolist(), lps)))
-        finished, items, rows = [], [], []
+        finished = []
         for i, c in enumerate(chunks):
             seq, n = c.seq, c.num_tokens
             first_pos = seq.num_computed - n
@@ -295,12 +319,7 @@ class Engine:
                 known.append(seq.output_token_ids[-1])
             if k:
                 seq.read_slot_index = min(n, k + 1) - 1
-                items.append((seq, first_pos, known))
-                rows.extend(range(qsl[i], qsl[i] + n))
-        if items:
-            drafting = [not seq.in_prefill for seq, _, _ in items]
-            for (seq, _, _), d in zip(items, draft(model, self.runner, self.pools, items, hidden[rows], drafting, k)):
-                seq.drafts = d
+                todo.add((seq, first_pos, known), range(qsl[i], qsl[i] + n), not seq.in_prefill)
         return finished
 
     @torch.inference_mode()
@@ -338,18 +357,21 @@ class Engine:
             hidden, logits = graphs.verify(chunks, forced)
             self._launched()
         else:
-            batch, hidden = self.runner.forward(chunks, on_launch=self._launched)
+            _, hidden = self.runner.forward(chunks, on_launch=self._launched)
             logits = model.compute_logits(hidden)
-        return self._verified(chunks, hidden, logits, forced, drafted)
+        todo = _Drafts()
+        finished = self._verified(chunks, logits, forced, drafted, todo)
+        self._draft(todo, hidden)
+        return finished
 
-    def _verified(self, chunks, hidden: torch.Tensor, logits: torch.Tensor, forced, drafted: bool) -> list[Sequence]:
-        """Decode requests after their forward (`hidden` and `logits` their rows): every row is sampled in one
-        batch (row j of a request in the context of its first j drafts), drafts are kept while they agree with the
-        sampled tokens, and the MTP head drafts the next ones from the last accepted row. When `drafted` (the
-        graph path) acceptance and drafting ran on the device as well, and the step waits for the device once
-        (`DecodeGraphs.accept_and_draft`); the host loop below then only replays the stop rules, logprobs and
-        generators on the tokens that came back."""
-        k, model, graphs = self.ecfg.num_speculative_tokens, self.runner.model, self.graphs
+    def _verified(self, chunks, logits: torch.Tensor, forced, drafted: bool, todo: "_Drafts") -> list[Sequence]:
+        """Decode requests after the step's forward (their rows first in it, `logits` theirs): every row is
+        sampled in one batch (row j of a request in the context of its first j drafts), drafts are kept while they
+        agree with the sampled tokens, and the last accepted row goes to `todo` for the MTP head's next drafts.
+        When `drafted` (the graph path) acceptance and drafting ran on the device as well, and the step waits for
+        the device once (`DecodeGraphs.accept_and_draft`); the host loop below then only replays the stop rules,
+        logprobs and generators on the tokens that came back."""
+        k, graphs = self.ecfg.num_speculative_tokens, self.graphs
         views, starts = [], []
         for c in chunks:
             starts.append(len(views))
@@ -361,7 +383,7 @@ class Engine:
             tokens, device_accepted, new_drafts = graphs.accept_and_draft(tokens)
         else:
             tokens = tokens.tolist()
-        finished, items, rows = [], [], []
+        finished = []
         for i, (c, start) in enumerate(zip(chunks, starts)):
             seq, first_pos = c.seq, c.seq.num_computed - c.num_tokens
             drafts, seq.drafts = seq.drafts, []
@@ -395,12 +417,8 @@ class Engine:
             if drafted:
                 seq.drafts = new_drafts[i]
             elif k:
-                items.append((seq, first_pos, drafts[:accepted] + seq.output_token_ids[-1:]))
-                rows.extend(range(start, start + accepted + 1))
-        if items:
-            for (seq, _, _), d in zip(items, draft(model, self.runner, self.pools, items, hidden[rows],
-                                                   [True] * len(items), k)):
-                seq.drafts = d
+                todo.add((seq, first_pos, drafts[:accepted] + seq.output_token_ids[-1:]),
+                         range(start, start + accepted + 1), True)
         return finished
 
     def _replay_noise(self, request_id: str, state: torch.Tensor, draws: int, vocab: int) -> None:

@@ -56,7 +56,7 @@ class ModelRunner:
     def forward(self, chunks: list[ScheduledChunk], on_launch=None) -> tuple[ForwardBatch, torch.Tensor]:
         """Runs the target over the chunks; returns the batch and the final hidden state of every row [T, H].
         Advances num_computed by each chunk's length (a verify step then rewinds the rejected rows).
-        `on_launch()` runs once the forward's first work is on the device."""
+        `on_launch()` runs once the first piecewise graph is on the device (before an eager forward)."""
         batch = self.build_batch(chunks)
         graphs = self.prefill_graphs
         if graphs is not None and graphs.fits(batch.query_start_loc_cpu[-1]):
