@@ -4,8 +4,6 @@ tables. Every output element must be written (outputs start as NaN), and cache s
 so a stray read shows. On the CPU the kernel runs under Triton's interpreter at small sizes; on the GPU (-m gpu)
 at the real shape through the dispatch."""
 
-import time
-
 import pytest
 import torch
 
@@ -141,22 +139,3 @@ def test_paged_attention_gpu_split_extremes():
     ref = reference(q, kc, vc, b, scale)
     for ns in (None, 1, 4):
         check(run_kernel(q, kc, vc, b, scale, num_splits=ns), ref, 2e-2)
-
-
-@pytest.mark.gpu
-def test_paged_attention_gpu_timing_report():
-    """Not an assertion on speed: prints kernel times next to the KV bytes' HBM floor (4.25 TB/s)."""
-    hd, scale = 256, 256**-0.5
-    for kind, bsz in [("decode", 1), ("decode", 32), ("verify", 32), ("prefill", 8)]:
-        reqs = [(4095, 1)] * bsz if kind == "decode" else [(4093, 3)] * bsz if kind == "verify" else [(0, 2048)] * bsz
-        q, kc, vc, b = make_case(reqs, 16, 2, hd, torch.bfloat16, "cuda", seed=5)
-        for _ in range(3):
-            attention.paged_attention(q, kc, vc, b, scale)
-        torch.cuda.synchronize()
-        t0, n = time.perf_counter(), 20
-        for _ in range(n):
-            attention.paged_attention(q, kc, vc, b, scale)
-        torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / n
-        kv_bytes = sum(c + m for c, m in reqs) * 2 * 2 * hd * 2
-        print(f"{kind} B={bsz}: {dt * 1e6:.1f} us, KV floor {kv_bytes / 4.25e12 * 1e6:.1f} us")
