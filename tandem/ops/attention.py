@@ -32,6 +32,9 @@ from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
 DECODE_MAX_Q = 8  # batches whose longest request has at most this many query rows take the decode tiling
 DECODE_BLOCK_N, PREFILL_M, PREFILL_BLOCK_N, NUM_STAGES = 32, 128, 64, 2  # prefill: benchmarks/prefill_ops.py --sweep
+# fp32 prefill tiles hold twice the bytes: 128 x 64 at head_dim 256 asks for 295 KB of shared memory, more than an
+# H200 has (227 KB); half of each fits (tests/test_kernels_sm90.py compiles both for sm_90)
+FP32_PREFILL_M, FP32_PREFILL_BLOCK_N = 64, 32
 WIDE_TILE = 32 * 256  # tiles of more than this many (row, dim) elements run 8 warps (the fp32 accumulator), else 4
 MIN_CHUNK = 64  # fewest context tokens one split takes (multiple of both BLOCK_Ns)
 MAX_SPLITS = 64
@@ -241,8 +244,9 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
         tq = max(triton.next_power_of_2(max(max_q_len, 1)), triton.cdiv(16, group_p2))  # tl.dot wants M >= 16
         n_tiles, bn = B, block_n or DECODE_BLOCK_N
     else:
-        tq = max((prefill_m or PREFILL_M) // group_p2, 1)
-        n_tiles, bn = triton.cdiv(T, tq) + B, block_n or PREFILL_BLOCK_N
+        wide = q.element_size() <= 2
+        tq = max((prefill_m or (PREFILL_M if wide else FP32_PREFILL_M)) // group_p2, 1)
+        n_tiles, bn = triton.cdiv(T, tq) + B, block_n or (PREFILL_BLOCK_N if wide else FP32_PREFILL_BLOCK_N)
         if tq >= max_q_len:  # every request fits one tile: no search, no idle programs
             n_tiles, decode = B, True
     warps = 8 if tq * group_p2 * triton.next_power_of_2(D) > WIDE_TILE else 4

@@ -215,6 +215,8 @@ _SM_COUNT: dict[int, int] = {}
 
 
 def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter: one "SM"
+        return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -269,7 +271,7 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=1, fuse_quant=
     if not M:
         return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     kb = cdiv(K, block[1])
-    bm, bn, split, warps, stages = tiles or _gemm_tiles(M, N, kb, _sm_count(x.device) if x.is_cuda else 1)
+    bm, bn, split, warps, stages = tiles or _gemm_tiles(M, N, kb, _sm_count(x.device))
     per_split = cdiv(kb, split)
     split = cdiv(kb, per_split)
     fuse = M <= FUSE_QUANT_MAX_ROWS if fuse_quant is None else fuse_quant

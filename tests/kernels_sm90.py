@@ -1,0 +1,185 @@
+"""Compiles, on a machine without a GPU, every Triton kernel variant a forward of a real model shape launches, for
+the H200's architecture (sm_90), and reports each one's shared memory, registers and spills.
+
+The interpreter (which runs the kernels in the CPU suite) checks what a kernel computes, not whether it fits a
+GPU: a tile that needs more shared memory than an SM has only fails on the device. Triton compiles without a
+device (its ptxas is in the wheel), so this script runs a forward -- the model's layers at the preset's real
+sizes, the MTP head included -- with the kernel dispatch switched on and each launch replaced by a compile.
+Nothing runs: the tensors are uninitialised CPU memory, and the outputs are never read.
+
+    python tests/kernels_sm90.py [--preset qwen3.5-35b-a3b] [--dtype bfloat16] [--shapes decode:1x1,...]
+
+Shapes: `decode:BxQ` (B requests of Q rows each on a context of 300 tokens), `prefill:N` (one N-token prompt),
+`mixed:BxQ+N` (both in one forward). Prints one line per kernel variant and exits 1 when one needs more shared
+memory than an H200 gives a block (227 KB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "the interpreter replaces the kernels this script compiles"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tandem.config import ModelConfig  # noqa: E402
+from tandem.model.batch import ForwardBatch  # noqa: E402
+from tandem.model.loader import build_empty_model  # noqa: E402
+from tandem.model.presets import PRESETS  # noqa: E402
+from tandem.ops import attention, fp8, gdn, moe, norm, pointwise, rope  # noqa: E402
+
+H200_SMS = 132
+H200_SHARED_PER_BLOCK = 232448  # bytes a block may opt into on sm_90 (227 KB)
+BLOCK_SIZE, CONTEXT = 16, 300
+LAYERS = 4  # three GDN layers and one attention layer (full_attention_interval 4): every kind of layer
+
+
+class _CompileOnlyDriver:
+    """What the JIT asks the active driver for, answered for an H200 that is not there."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _record_compiles(found: dict):
+    """Every kernel launch compiles (or finds compiled) its variant and launches nothing."""
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        found.setdefault(id(kernel), (self.fn.__name__, kernel))
+        return kernel
+
+    JITFunction.run = compile_only
+
+
+def _as_h200() -> None:
+    """The dispatch takes the Triton path for these CPU tensors and sizes its grids for an H200's SMs."""
+    for module in (attention, fp8, gdn, moe, norm, pointwise, rope):
+        module.use_triton = lambda x: True
+    attention._target_programs = lambda device: attention.PROGRAMS_PER_SM * H200_SMS
+    fp8._sm_count = lambda device: H200_SMS
+    gdn.HAS_FLA = False  # long prompts take fla's kernels on the GPU; ours then take every row here
+
+
+def _batch(cfg_blocks: int, rows: list[tuple[int, int]], k: int) -> ForwardBatch:
+    """rows: (cached context, query rows) per request."""
+    qsl, seq_lens = [0], []
+    for cached, n in rows:
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(cached + n)
+    T, B = qsl[-1], len(rows)
+    width = max(-(-s // BLOCK_SIZE) for s in seq_lens) + 1
+    tables = torch.arange(1, B * width + 1, dtype=torch.int32).view(B, width) % cfg_blocks
+    pos = torch.cat([torch.arange(c, c + n) for c, n in rows])
+    req = torch.repeat_interleave(torch.arange(B), torch.tensor([n for _, n in rows]))
+    slots = tables[req, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    return ForwardBatch(
+        input_ids=torch.zeros(T, dtype=torch.long), positions=pos, query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables, slot_mapping=slots,
+        state_slots=torch.arange(1, B + 1), state_write_slots=torch.arange(1, B * (k + 1) + 1).view(B, k + 1),
+        logits_indices=torch.tensor(qsl[1:]) - 1, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+
+
+def parse_shape(text: str) -> list[tuple[int, int]]:
+    kind, _, size = text.partition(":")
+    rows = []
+    if kind in ("decode", "mixed"):
+        bq = size.split("+")[0]
+        b, q = (int(v) for v in bq.split("x"))
+        rows += [(CONTEXT, q)] * b
+    if kind in ("prefill", "mixed"):
+        rows.append((0, int(size.split("+")[-1])))
+    if not rows:
+        raise ValueError(f"shape {text!r}: decode:BxQ, prefill:N or mixed:BxQ+N")
+    return rows
+
+
+def _caches(cfg: ModelConfig, dtype: torch.dtype, blocks: int, slots: int):
+    kv = (blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    caches = []
+    for t in cfg.layer_types:
+        if t == "full_attention":
+            caches.append((torch.empty(kv, dtype=dtype), torch.empty(kv, dtype=dtype)))
+        else:
+            caches.append((torch.empty(slots, cfg.conv_dim, cfg.conv_kernel - 1, dtype=dtype),
+                           torch.empty(slots, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim,
+                                       dtype=cfg.ssm_dtype or dtype)))
+    return caches, (torch.empty(kv, dtype=dtype), torch.empty(kv, dtype=dtype))
+
+
+def compile_forward_kernels(preset: str, dtype: torch.dtype, shapes: list[str]) -> list[tuple[str, object]]:
+    """(kernel name, compiled kernel) of every variant the forwards of `shapes` launch, target and MTP head."""
+    driver.set_active(_CompileOnlyDriver())
+    found: dict = {}
+    _record_compiles(found)
+    _as_h200()
+    cfg = ModelConfig.from_hf(dict(PRESETS[preset], num_hidden_layers=LAYERS))
+    model = build_empty_model(cfg, "cpu", dtype, with_mtp=True, fp8=cfg.quantization).fuse_projections()
+    k = 2
+    with torch.inference_mode():
+        for shape in shapes:
+            rows = parse_shape(shape)
+            blocks = sum(-(-(c + n) // BLOCK_SIZE) + 1 for c, n in rows) + 1
+            caches, mtp_cache = _caches(cfg, dtype, blocks, len(rows) * (k + 1) + 1)
+            batch = _batch(blocks, rows, k)
+            hidden = model(batch, caches)
+            embeds = model.model.embed_tokens(batch.input_ids)
+            model.mtp(embeds, hidden, batch, model.inv_freq, mtp_cache)
+    return list(found.values())
+
+
+def resources(kernel) -> dict:
+    """Registers, spill stores and local memory of a compiled kernel, read from its cubin by cuobjdump."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    out = {}
+    for field in ("REG", "STACK", "LOCAL"):
+        tail = text.split(f"{field}:", 1)
+        out[field.lower()] = int(tail[1].split()[0]) if len(tail) > 1 else -1
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3.5-35b-a3b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--shapes", default="decode:1x1,decode:1x3,decode:64x3,prefill:300,prefill:2048,mixed:32x3+1024")
+    args = ap.parse_args()
+    kernels = compile_forward_kernels(args.preset, getattr(torch, args.dtype), args.shapes.split(","))
+    too_big = 0
+    for name, kernel in sorted(kernels, key=lambda nk: nk[0]):
+        md, res = kernel.metadata, resources(kernel)
+        over = md.shared > H200_SHARED_PER_BLOCK
+        too_big += over
+        print(f"{name:32s} shared {md.shared:7d} B  warps {md.num_warps}  stages {md.num_stages}  regs {res['reg']:3d}"
+              f"  stack {res['stack']:4d}  local {res['local']:4d}" + ("  OVER THE H200's SHARED MEMORY" if over else ""))
+    print(f"{len(kernels)} kernel variants for sm_90, {too_big} over {H200_SHARED_PER_BLOCK} bytes of shared memory")
+    return 1 if too_big else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
