@@ -8,10 +8,17 @@ sizes, the MTP head included -- with the kernel dispatch switched on and each la
 Nothing runs: the tensors are uninitialised CPU memory, and the outputs are never read.
 
     python tests/kernels_sm90.py [--preset qwen3.5-35b-a3b] [--dtype bfloat16] [--shapes decode:1x1,...]
+    python tests/kernels_sm90.py --workload [--preset tiny-moe] [--seed 0]
 
 Shapes: `decode:BxQ` (B requests of Q rows each on a context of 300 tokens), `prefill:N` (one N-token prompt),
 `mixed:BxQ+N` (both in one forward). Prints one line per kernel variant and exits 1 when one needs more shared
 memory than an H200 gives a block (227 KB).
+
+`--workload`: the serving check of tests/test_no_compiles.py without a GPU. An engine warms up as a worker does
+(`Engine.warm_up`, then each decode and prefill graph bucket run once, as capturing them runs them), then serves a
+continuous-batching workload; every variant compiled after the warm-up is printed, and the exit status is 1 if
+there is one (a served step would have waited on that compile). Kernel outputs are never computed, so the tokens
+are arbitrary; what decides the variants -- shapes, row counts, strides, dtypes -- is what serving gives them.
 """
 
 from __future__ import annotations
@@ -149,6 +156,40 @@ def compile_forward_kernels(preset: str, dtype: torch.dtype, shapes: list[str]) 
     return list(found.values())
 
 
+def compiles_after_warm_up(preset: str, seed: int) -> list[str]:
+    """Names and specialisations of the kernel variants the workload of tests/test_no_compiles.py compiles after
+    the engine's warm-up (see the module docstring)."""
+    from test_no_compiles import workload
+
+    from tandem.config import EngineConfig
+    from tandem.engine.llm import Engine
+    from tandem.model.presets import preset_config, random_model
+
+    driver.set_active(_CompileOnlyDriver())
+    _record_compiles({})
+    _as_h200()
+    cfg = preset_config(preset)
+    eng = Engine(cfg, random_model(cfg, "cpu", torch.bfloat16, seed=0),
+                 EngineConfig(block_size=16, max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=256,
+                              num_speculative_tokens=2, device="cpu", dtype="bfloat16", cuda_graphs=True))
+    eng.warm_up()
+    graphs, pieces = eng.graphs, eng.runner.prefill_graphs
+    for B in reversed(graphs.buckets):  # what `capture_graphs` runs on a GPU before capturing each bucket
+        graphs._capture(B)
+        graphs.verify_graphs[B].replay()
+        if graphs.k:
+            graphs.draft_graphs[B].replay()
+    with torch.inference_mode():
+        for n in reversed(pieces.buckets):
+            pieces.model(pieces._static_batch(n), pieces.caches)
+    late = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: late.append(
+        f"{kw['fn'].name}: constants {kw['compile']['constants']}, signature {kw['compile']['signature']}, "
+        f"attributes {kw['compile']['configs']}")
+    workload(eng, seed=seed)
+    return late
+
+
 def resources(kernel) -> dict:
     """Registers, spill stores and local memory of a compiled kernel, read from its cubin by cuobjdump."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -168,7 +209,14 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen3.5-35b-a3b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shapes", default="decode:1x1,decode:1x3,decode:64x3,prefill:300,prefill:2048,mixed:32x3+1024")
+    ap.add_argument("--workload", action="store_true", help="the serving check (see above); --preset a tiny one")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.workload:
+        late = compiles_after_warm_up(args.preset, args.seed)
+        print("\n".join(late))
+        print(f"{len(late)} kernel variants compiled after the warm-up")
+        return 1 if late else 0
     kernels = compile_forward_kernels(args.preset, getattr(torch, args.dtype), args.shapes.split(","))
     too_big = 0
     for name, kernel in sorted(kernels, key=lambda nk: nk[0]):

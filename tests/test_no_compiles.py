@@ -1,9 +1,14 @@
 """A served step never waits on a Triton compile: after `Engine.warm_up` and `Engine.capture_graphs` (what a worker
 does before it serves), a continuous-batching workload -- prompts of many lengths joining while others decode,
-k = 2 drafts, chunked prefill -- compiles no kernel. Triton's post-compile hook names each compile and its specialisation. GPU only: the
-interpreter compiles nothing."""
+k = 2 drafts, chunked prefill -- compiles no kernel. Triton's post-compile hook names each compile and its
+specialisation. On the GPU the engine runs; on the CPU (the interpreter compiles nothing) `tests/kernels_sm90.py
+--workload` compiles each launch for sm_90 instead of running it, which is all this check needs."""
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,3 +52,14 @@ def test_no_kernel_compiles_after_warm_up(name):
         knobs.jit_post_compile_hook = old
     assert compiled == []
     assert eng.pools.blocks.num_used == 0 and eng.pools.slots.num_used == 0
+
+
+@pytest.mark.parametrize("name,seed", [("tiny-moe", 0), ("tiny-moe", 1), ("tiny-dense", 0)])
+def test_no_kernel_compiles_after_warm_up_for_sm90(name, seed, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    script = Path(__file__).with_name("kernels_sm90.py")
+    res = subprocess.run([sys.executable, str(script), "--workload", "--preset", name, "--seed", str(seed)],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0 and "0 kernel variants compiled after the warm-up" in res.stdout, \
+        res.stdout[-4000:] + res.stderr[-3000:]

@@ -77,11 +77,11 @@ class PrefillGraphs:
         """A batch of one request over the first n rows of the static buffers, at the null slot and block: what
         the row-wise parts read (tokens, positions, KV slots), and a batch the cores can run on at capture."""
         dev, bs = self.ecfg.device, self.ecfg.block_size
-        i32 = dict(dtype=torch.int32, device=dev)
+        i64 = dict(dtype=torch.long, device=dev)
         return ForwardBatch(
             input_ids=self.input_ids[:n], positions=self.positions[:n], slot_mapping=self.slot_mapping[:n],
-            query_start_loc=torch.tensor([0, n], **i32), seq_lens=torch.tensor([n], **i32),
-            block_tables=torch.zeros(1, -(-n // bs), **i32), state_slots=torch.zeros(1, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor([0, n], **i64), seq_lens=torch.tensor([n], **i64),
+            block_tables=torch.zeros(1, -(-n // bs), **i64), state_slots=torch.zeros(1, dtype=torch.long, device=dev),
             state_write_slots=torch.zeros(1, 1, dtype=torch.long, device=dev),
             logits_indices=torch.tensor([n - 1], device=dev), query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
 

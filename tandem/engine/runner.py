@@ -36,18 +36,20 @@ class ModelRunner:
         row_req = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(lens))
         positions = starts[row_req] + torch.arange(int(qsl[-1])) - qsl[:-1][row_req]
         width = max(len(seq.block_ids) for seq, _, _ in items)
-        tables = torch.zeros(len(items), width, dtype=torch.int32)
+        tables = torch.zeros(len(items), width, dtype=torch.long)
         for i, (seq, _, _) in enumerate(items):
-            tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
-        slot_mapping = tables[row_req, positions // bs].long() * bs + positions % bs
-        longs = to_device(dev, torch.tensor([t for _, _, toks in items for t in toks], dtype=torch.long), positions,
-                          slot_mapping, torch.tensor([seq.state_slots[seq.read_slot_index] for seq, _, _ in items]),
-                          torch.tensor([seq.state_slots for seq, _, _ in items]), qsl[1:] - 1)
-        ints = to_device(dev, qsl.to(torch.int32), seq_lens.to(torch.int32), tables)
-        input_ids, positions_d, slot_mapping_d, state_slots, state_write_slots, logits_indices = longs
+            tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids)
+        slot_mapping = tables[row_req, positions // bs] * bs + positions % bs
+        # all int64, as in the decode graphs' buffers: the kernels then compile one variant for both
+        (input_ids, positions_d, slot_mapping_d, state_slots, state_write_slots, logits_indices, qsl_d, seq_lens_d,
+         tables_d) = to_device(dev, torch.tensor([t for _, _, toks in items for t in toks], dtype=torch.long),
+                               positions, slot_mapping,
+                               torch.tensor([seq.state_slots[seq.read_slot_index] for seq, _, _ in items]),
+                               torch.tensor([seq.state_slots for seq, _, _ in items]), qsl[1:] - 1, qsl, seq_lens,
+                               tables)
         return ForwardBatch(
-            input_ids=input_ids, positions=positions_d, query_start_loc=ints[0], seq_lens=ints[1],
-            block_tables=ints[2], slot_mapping=slot_mapping_d, state_slots=state_slots,
+            input_ids=input_ids, positions=positions_d, query_start_loc=qsl_d, seq_lens=seq_lens_d,
+            block_tables=tables_d, slot_mapping=slot_mapping_d, state_slots=state_slots,
             state_write_slots=state_write_slots, logits_indices=logits_indices,
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
         )

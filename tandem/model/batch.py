@@ -15,9 +15,9 @@ import torch
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
-    query_start_loc: torch.Tensor  # [B+1] int32
-    seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
-    block_tables: torch.Tensor  # [B, max_blocks] int32, 0 = null block
+    query_start_loc: torch.Tensor  # [B+1] int64 (every index tensor is int64: one kernel variant for all)
+    seq_lens: torch.Tensor  # [B] int64, context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int64, 0 = null block
     slot_mapping: torch.Tensor  # [T] int64, flat KV slot (block * block_size + offset) of each token
     state_slots: torch.Tensor  # [B] int64, GDN state slot each request starts from
     state_write_slots: torch.Tensor  # [B, W] int64: the state after row j goes to column min(j, W-1)

@@ -72,7 +72,7 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
 
-    @triton.jit(do_not_specialize=["num_reqs", "num_tokens", "num_splits"])
+    @triton.jit(do_not_specialize=["num_reqs", "num_tokens", "num_splits", "stride_bt"])
     def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr,
         qsl_ptr, seq_lens_ptr, bt_ptr,

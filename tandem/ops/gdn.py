@@ -125,7 +125,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["max_rows"])
+    @triton.jit(do_not_specialize=["max_rows", "ws_st"])
     def _gdn_recurrent_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
         q_st, q_sh, k_st, k_sh, v_st, v_sh, g_st, b_st, o_st, o_sh, s_ss, s_sh, s_sk, ws_st,
@@ -170,7 +170,7 @@ if HAS_TRITON:
                 tl.store(state_ptr + dst * s_ss + h * s_sh + tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
             j += 1
 
-    @triton.jit(do_not_specialize=["T", "split"])
+    @triton.jit(do_not_specialize=["T", "split", "ws_st"])
     def _causal_conv1d_kernel(
         x_ptr, cs_ptr, w_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
         x_st, cs_ss, cs_sc, cs_sk, w_sc, w_sk, ws_st, C, T, S0, S1, split,
