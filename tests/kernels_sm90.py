@@ -14,7 +14,8 @@ Shapes: `decode:BxQ` (B requests of Q rows each on a context of 300 tokens), `pr
 `mixed:BxQ+N` (both in one forward). Prints one line per kernel variant and exits 1 when one needs more shared
 memory than an H200 gives a block (227 KB).
 
-`--workload`: the serving check of tests/test_no_compiles.py without a GPU. An engine warms up as a worker does
+`--workload`: the serving check of tests/test_no_compiles.py without a GPU, on the preset's layer shapes (four
+layers, a 1024-token vocabulary: the kernels' variants do not depend on either). An engine warms up as a worker does
 (`Engine.warm_up`, then each decode and prefill graph bucket run once, as capturing them runs them), then serves a
 continuous-batching workload; every variant compiled after the warm-up is printed, and the exit status is 1 if
 there is one (a served step would have waited on that compile). Kernel outputs are never computed, so the tokens
@@ -163,13 +164,20 @@ def compiles_after_warm_up(preset: str, seed: int) -> list[str]:
 
     from tandem.config import EngineConfig
     from tandem.engine.llm import Engine
-    from tandem.model.presets import preset_config, random_model
 
     driver.set_active(_CompileOnlyDriver())
     _record_compiles({})
     _as_h200()
-    cfg = preset_config(preset)
-    eng = Engine(cfg, random_model(cfg, "cpu", torch.bfloat16, seed=0),
+    # the kernels' outputs are never written: fill fresh tensors (NaN) so every run takes the same schedule
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    hf = PRESETS[preset]
+    cfg = ModelConfig.from_hf(dict(hf, num_hidden_layers=LAYERS, vocab_size=min(hf["vocab_size"], 1024)))
+    model = build_empty_model(cfg, "cpu", torch.bfloat16, with_mtp=True, fp8=cfg.quantization)
+    for p in model.parameters():  # finite values where torch computes (the experts' weights only meet kernels)
+        if p.dtype.is_floating_point and p.element_size() > 1 and p.numel() < 2**25:
+            p.data.normal_(0.0, 0.02)
+    eng = Engine(cfg, model.fuse_projections(),
                  EngineConfig(block_size=16, max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=256,
                               num_speculative_tokens=2, device="cpu", dtype="bfloat16", cuda_graphs=True))
     eng.warm_up()

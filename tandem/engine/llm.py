@@ -155,14 +155,17 @@ class Engine:
         seconds for Triton to compile and autotune). The prompts reach every tiling the prefill cores pick:
         a full-budget chunk; 1, 2, 3 and 5 rows (the decode tilings of attention and the conv's row tiles); the
         fewest rows of attention's prefill tiling, one tile when its tiles are that tall; a short and a long
-        request together (GDN's recurrent and chunked kernels in one step); and short last chunks on a long
-        context (split-K, one tile and several). Everything is freed afterwards."""
+        request together (GDN's recurrent and chunked kernels in one step); and last chunks of 1, 2, 3, 5, 9 and
+        20 rows on a long context (split-K in every tiling). `tests/kernels_sm90.py --workload` checks on the CPU
+        that serving compiles nothing after this. Everything is freed afterwards."""
         t0 = time.monotonic()
         budget = self.ecfg.max_num_batched_tokens
         room = self.ecfg.max_model_len - 1 - self.ecfg.num_speculative_tokens  # longest prompt that can decode
         short = DECODE_MAX_Q + 1  # rows past attention's decode tiling
         batches = [[min(budget, room)], [1], [2], [3], [5], [short], [64, 96]]
-        for tail in (short, 20):  # the prompt of `room` rows ends with a chunk of `tail` rows
+        # the prompt of `room` rows ends with a chunk of `tail` rows: split-K on a long context in each decode tiling
+        # (1, 2, 3 and 5 rows: one per power-of-two tile height) and in the prefill tiling, one tile and several
+        for tail in (1, 2, 3, 5, short, 20):
             batches.append([budget + tail] if budget + tail <= room else [budget - room + tail, room])
         batches = [b for b in batches if len(b) <= self.ecfg.max_num_seqs and max(b) <= room]
         params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
