@@ -8,7 +8,7 @@ sizes, the MTP head included -- with the kernel dispatch switched on and each la
 Nothing runs: the tensors are uninitialised CPU memory, and the outputs are never read.
 
     python tests/kernels_sm90.py [--preset qwen3.5-35b-a3b] [--dtype bfloat16] [--shapes decode:1x1,...]
-    python tests/kernels_sm90.py --workload [--preset tiny-moe] [--seed 0]
+    python tests/kernels_sm90.py --workload [--preset tiny-moe] [--seed 0] [--prefill-only]
 
 Shapes: `decode:BxQ` (B requests of Q rows each on a context of 300 tokens), `prefill:N` (one N-token prompt),
 `mixed:BxQ+N` (both in one forward). Prints one line per kernel variant and exits 1 when one needs more shared
@@ -157,7 +157,7 @@ def compile_forward_kernels(preset: str, dtype: torch.dtype, shapes: list[str]) 
     return list(found.values())
 
 
-def compiles_after_warm_up(preset: str, seed: int) -> list[str]:
+def compiles_after_warm_up(preset: str, seed: int, prefill_only: bool = False) -> list[str]:
     """Names and specialisations of the kernel variants the workload of tests/test_no_compiles.py compiles after
     the engine's warm-up (see the module docstring)."""
     from test_no_compiles import workload
@@ -179,10 +179,11 @@ def compiles_after_warm_up(preset: str, seed: int) -> list[str]:
             p.data.normal_(0.0, 0.02)
     eng = Engine(cfg, model.fuse_projections(),
                  EngineConfig(block_size=16, max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=256,
-                              num_speculative_tokens=2, device="cpu", dtype="bfloat16", cuda_graphs=True))
+                              num_speculative_tokens=2, device="cpu", dtype="bfloat16", cuda_graphs=True),
+                 prefill_only=prefill_only)
     eng.warm_up()
     graphs, pieces = eng.graphs, eng.runner.prefill_graphs
-    for B in reversed(graphs.buckets):  # what `capture_graphs` runs on a GPU before capturing each bucket
+    for B in reversed(graphs.buckets if graphs is not None else []):  # what `capture_graphs` runs before capturing
         graphs._capture(B)
         graphs.verify_graphs[B].replay()
         if graphs.k:
@@ -219,9 +220,10 @@ def main() -> int:
     ap.add_argument("--shapes", default="decode:1x1,decode:1x3,decode:64x3,prefill:300,prefill:2048,mixed:32x3+1024")
     ap.add_argument("--workload", action="store_true", help="the serving check (see above); --preset a tiny one")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill-only", action="store_true", help="--workload on a prefill worker's engine")
     args = ap.parse_args()
     if args.workload:
-        late = compiles_after_warm_up(args.preset, args.seed)
+        late = compiles_after_warm_up(args.preset, args.seed, args.prefill_only)
         print("\n".join(late))
         print(f"{len(late)} kernel variants compiled after the warm-up")
         return 1 if late else 0
