@@ -155,20 +155,24 @@ class Engine:
         seconds for Triton to compile and autotune). The prompts reach every tiling the prefill cores pick:
         a full-budget chunk; 1, 2, 3 and 5 rows (the decode tilings of attention and the conv's row tiles); the
         fewest rows of attention's prefill tiling, one tile when its tiles are that tall; a short and a long
-        request together (GDN's recurrent and chunked kernels in one step); and last chunks of 1, 2, 3, 5, 9 and
-        20 rows on a long context (split-K in every tiling). `tests/kernels_sm90.py --workload` checks on the CPU
-        that serving compiles nothing after this. Everything is freed afterwards."""
+        request together (GDN's recurrent and chunked kernels in one step); last chunks of 1, 2, 3, 5, 9 and 20
+        rows on a long context (split-K in every tiling); and 2, 4, 8 and 16 one-token prompts (what depends on the
+        number of requests, which a prefill worker's engine has no decode graphs to warm). Each request drafts.
+        `tests/kernels_sm90.py --workload` checks on the CPU that serving compiles nothing after this. Everything
+        is freed afterwards."""
         t0 = time.monotonic()
         budget = self.ecfg.max_num_batched_tokens
-        room = self.ecfg.max_model_len - 1 - self.ecfg.num_speculative_tokens  # longest prompt that can decode
+        room = self.ecfg.max_model_len - 2 - self.ecfg.num_speculative_tokens  # longest prompt with 2 tokens to go
         short = DECODE_MAX_Q + 1  # rows past attention's decode tiling
         batches = [[min(budget, room)], [1], [2], [3], [5], [short], [64, 96]]
+        batches += [[1] * b for b in (2, 4, 8, 16)]  # steps of several requests: GDN's value blocks, MoE align chunks
         # the prompt of `room` rows ends with a chunk of `tail` rows: split-K on a long context in each decode tiling
         # (1, 2, 3 and 5 rows: one per power-of-two tile height) and in the prefill tiling, one tile and several
         for tail in (1, 2, 3, 5, short, 20):
             batches.append([budget + tail] if budget + tail <= room else [budget - room + tail, room])
         batches = [b for b in batches if len(b) <= self.ecfg.max_num_seqs and max(b) <= room]
-        params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+        # 2 tokens: a request that stopped at its first token would not draft (the MTP head's eager passes)
+        params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
         for lengths in batches:
             ids = [f"__warmup-{i}" for i in range(len(lengths))]
             for rid, n in zip(ids, lengths):

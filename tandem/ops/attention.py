@@ -160,14 +160,14 @@ if HAS_TRITON:
             tl.store(lse_part_ptr + prow, lse, mask=row_ok)
             tl.store(o_part_ptr + prow[:, None] * HEAD_DIM + d[None, :], o, mask=st_mask)
 
-    @triton.jit(do_not_specialize=["num_rows"])
-    def _attn_reduce_kernel(out_ptr, o_part_ptr, lse_part_ptr, num_rows, num_heads, stride_ot, stride_oh,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                            NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    @triton.jit(do_not_specialize=["num_rows", "num_splits"])
+    def _attn_reduce_kernel(out_ptr, o_part_ptr, lse_part_ptr, num_rows, num_heads, stride_ot, stride_oh, num_splits,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr):
+        """SPLITS_P2 >= num_splits: one variant for every split count (they vary with the batch)."""
         row = tl.program_id(0).to(tl.int64)  # token * num_heads + head
         s = tl.arange(0, SPLITS_P2)
         d = tl.arange(0, BLOCK_D)
-        s_ok = s < NUM_SPLITS
+        s_ok = s < num_splits
         lse = tl.load(lse_part_ptr + s * num_rows + row, mask=s_ok, other=float("-inf"))
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)
@@ -274,9 +274,9 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
         num_warps=warps, num_stages=NUM_STAGES,
     )
     if num_splits > 1:
-        _attn_reduce_kernel[(T * H,)](out, o_part, lse_part, T * H, H, out.stride(0), out.stride(1),
+        _attn_reduce_kernel[(T * H,)](out, o_part, lse_part, T * H, H, out.stride(0), out.stride(1), num_splits,
                                       HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-                                      NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits))
+                                      SPLITS_P2=triton.next_power_of_2(max(num_splits, MAX_SPLITS)), num_warps=8)
     return out
 
 
