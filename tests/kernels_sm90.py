@@ -8,7 +8,7 @@ sizes, the MTP head included -- with the kernel dispatch switched on and each la
 Nothing runs: the tensors are uninitialised CPU memory, and the outputs are never read.
 
     python tests/kernels_sm90.py [--preset qwen3.5-35b-a3b] [--dtype bfloat16] [--shapes decode:1x1,...]
-    python tests/kernels_sm90.py --workload [--preset tiny-moe] [--seed 0] [--prefill-only]
+    python tests/kernels_sm90.py --workload [--preset tiny-moe] [--seed 0] [--prefill-only] [--k 2]
 
 Shapes: `decode:BxQ` (B requests of Q rows each on a context of 300 tokens), `prefill:N` (one N-token prompt),
 `mixed:BxQ+N` (both in one forward). Prints one line per kernel variant and exits 1 when one needs more shared
@@ -157,7 +157,7 @@ def compile_forward_kernels(preset: str, dtype: torch.dtype, shapes: list[str]) 
     return list(found.values())
 
 
-def compiles_after_warm_up(preset: str, seed: int, prefill_only: bool = False) -> list[str]:
+def compiles_after_warm_up(preset: str, seed: int, prefill_only: bool = False, k: int = 2) -> list[str]:
     """Names and specialisations of the kernel variants the workload of tests/test_no_compiles.py compiles after
     the engine's warm-up (see the module docstring)."""
     from test_no_compiles import workload
@@ -179,7 +179,7 @@ def compiles_after_warm_up(preset: str, seed: int, prefill_only: bool = False) -
             p.data.normal_(0.0, 0.02)
     eng = Engine(cfg, model.fuse_projections(),
                  EngineConfig(block_size=16, max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=256,
-                              num_speculative_tokens=2, device="cpu", dtype="bfloat16", cuda_graphs=True),
+                              num_speculative_tokens=k, device="cpu", dtype="bfloat16", cuda_graphs=True),
                  prefill_only=prefill_only)
     eng.warm_up()
     graphs, pieces = eng.graphs, eng.runner.prefill_graphs
@@ -221,9 +221,10 @@ def main() -> int:
     ap.add_argument("--workload", action="store_true", help="the serving check (see above); --preset a tiny one")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefill-only", action="store_true", help="--workload on a prefill worker's engine")
+    ap.add_argument("--k", type=int, default=2, help="--workload: MTP drafts per step")
     args = ap.parse_args()
     if args.workload:
-        late = compiles_after_warm_up(args.preset, args.seed, args.prefill_only)
+        late = compiles_after_warm_up(args.preset, args.seed, args.prefill_only, args.k)
         print("\n".join(late))
         print(f"{len(late)} kernel variants compiled after the warm-up")
         return 1 if late else 0
@@ -233,8 +234,9 @@ def main() -> int:
         md, res = kernel.metadata, resources(kernel)
         over = md.shared > H200_SHARED_PER_BLOCK
         too_big += over
-        print(f"{name:32s} shared {md.shared:7d} B  warps {md.num_warps}  stages {md.num_stages}  regs {res['reg']:3d}"
-              f"  stack {res['stack']:4d}  local {res['local']:4d}" + ("  OVER THE H200's SHARED MEMORY" if over else ""))
+        print(f"{name:32s} shared {md.shared:7d} B  warps {md.num_warps}  stages {md.num_stages}"
+              f"  regs {res['reg']:3d}  stack {res['stack']:4d}  local {res['local']:4d}"
+              + ("  OVER THE H200's SHARED MEMORY" if over else ""))
     print(f"{len(kernels)} kernel variants for sm_90, {too_big} over {H200_SHARED_PER_BLOCK} bytes of shared memory")
     return 1 if too_big else 0
 

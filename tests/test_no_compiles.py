@@ -60,15 +60,16 @@ def test_no_kernel_compiles_after_warm_up(name):
 
 # seed 6 of the 35B-A3B ends a prompt with a 5-8 row chunk on a long context (split-K in the 8-row decode tiling);
 # a prefill-only engine (a P/D prefill worker) has no decode graphs to warm its batch-size-dependent variants
-@pytest.mark.parametrize("name,seed,prefill_only", [("qwen3.5-35b-a3b", 0, False), ("qwen3.5-35b-a3b", 6, False),
-                                                    ("qwen3.5-35b-a3b", 0, True), ("qwen3.5-35b-a3b-fp8", 0, False),
-                                                    ("tiny-moe", 0, False), ("tiny-dense", 0, False)])
-def test_no_kernel_compiles_after_warm_up_for_sm90(name, seed, prefill_only, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+@pytest.mark.parametrize("name,seed,prefill_only,k", [
+    ("qwen3.5-35b-a3b", 0, False, 2), ("qwen3.5-35b-a3b", 6, False, 2), ("qwen3.5-35b-a3b", 0, True, 2),
+    ("qwen3.5-35b-a3b", 0, False, 0), ("qwen3.5-35b-a3b-fp8", 0, False, 2), ("tiny-moe", 0, False, 2),
+    ("tiny-dense", 0, False, 2)])
+def test_no_kernel_compiles_after_warm_up_for_sm90(name, seed, prefill_only, k, tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     script = Path(__file__).with_name("kernels_sm90.py")
-    res = subprocess.run([sys.executable, str(script), "--workload", "--preset", name, "--seed", str(seed)]
-                         + (["--prefill-only"] if prefill_only else []),
+    res = subprocess.run([sys.executable, str(script), "--workload", "--preset", name, "--seed", str(seed),
+                          "--k", str(k)] + (["--prefill-only"] if prefill_only else []),
                          env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0 and "0 kernel variants compiled after the warm-up" in res.stdout, \
         res.stdout[-4000:] + res.stderr[-3000:]
