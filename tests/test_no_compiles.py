@@ -43,7 +43,8 @@ def test_no_kernel_compiles_after_warm_up(name):
     cfg = preset_config(name)
     model = random_model(cfg, "cuda", torch.bfloat16, seed=0)
     eng = Engine(cfg, model, EngineConfig(block_size=16, max_num_seqs=16, max_model_len=1024,
-                                          max_num_batched_tokens=256, num_speculative_tokens=2, device="cuda"))
+                                          max_num_batched_tokens=256, num_speculative_tokens=2, device="cuda",
+                                          dtype="bfloat16"))
     eng.warm_up()
     eng.capture_graphs()
     compiled = []

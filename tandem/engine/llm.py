@@ -124,6 +124,8 @@ class Engine:
         self.cfg, self.ecfg = cfg, ecfg
         if ecfg.num_speculative_tokens and not hasattr(model, "mtp"):
             raise ValueError("speculative decoding with MTP needs a model with an MTP head (mtp.* weights)")
+        if model.lm_head_weight.dtype != ecfg.dtype:  # the caches follow ecfg: kernels cannot mix the two
+            raise ValueError(f"the model is {model.lm_head_weight.dtype} but the engine config says {ecfg.dtype}")
         self.tp = getattr(model, "tp", SINGLE)
         self.pools = CachePools(cfg, ecfg, with_mtp=hasattr(model, "mtp"), tp=self.tp)
         if isinstance(model, LeaderModel):
