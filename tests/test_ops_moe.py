@@ -113,9 +113,9 @@ def test_fused_experts_skewed_cpu_interpreter(pattern):
 
 
 def test_align_many_chunks_cpu_interpreter():
-    """A non-power-of-two expert count (40, E_P2 64) with 600 pairs (a 1024-key sort with 424 padding keys) and one
-    expert owning more blocks than one block chunk (16); then 2600 pairs, three chunks of 1024 (the last one
-    partial), so experts' segments collect pairs from several programs."""
+    """A non-power-of-two expert count (40, E_P2 64) with 600 pairs (ten ranking programs, each counting over
+    128-pair tiles) and one expert owning more blocks than one block chunk (16); then 2600 pairs, three chunks of
+    1024 (the last one partial), so experts' segments collect pairs from several programs."""
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter case runs where there is no GPU")
     g = torch.Generator().manual_seed(3)
@@ -155,7 +155,7 @@ ALIGN_PATTERNS = ["random", "spread", "one_pair", "fewer_pairs", "one_expert", "
 @pytest.mark.parametrize("E", [6, 16, 40])
 @pytest.mark.parametrize("pattern", ALIGN_PATTERNS)
 def test_align_kernel_cpu_interpreter(pattern, E):
-    """The one-program kernel against the torch path over block_m 16, 32, 64: E not a power of two,
+    """The ranking kernel (up to 1024 pairs) against the torch path over block_m 16, 32, 64: E not a power of two,
     fewer pairs than experts, a single pair, everything on one expert, experts with no pairs."""
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter case runs where there is no GPU")

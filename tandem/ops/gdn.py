@@ -125,15 +125,32 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    @triton.jit
+    def _delta_step(s, qv, kv, vv, gt, bt):
+        """One row of the delta rule on a state tile s [BK, BV] -> (the state after it, the row's output [BV])."""
+        s = s * tl.exp(gt)
+        delta = (vv - tl.sum(s * kv[:, None], axis=0)) * bt
+        s = s + kv[:, None] * delta[None, :]
+        return s, tl.sum(s * qv[:, None], axis=0)
+
+    @triton.jit
+    def _row(tile, r, j):
+        """Row j of a [WP, N] tile whose row indices are r, as an [N] vector (a masked sum: no dynamic index)."""
+        return tl.sum(tl.where((r == j)[:, None], tile, 0.0), axis=0)
+
     @triton.jit(do_not_specialize=["max_rows", "ws_st"])
     def _gdn_recurrent_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
         q_st, q_sh, k_st, k_sh, v_st, v_sh, g_st, b_st, o_st, o_sh, s_ss, s_sh, s_sk, ws_st,
         max_rows, scale, eps,
         REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        W: tl.constexpr,
+        W: tl.constexpr, WP: tl.constexpr,
     ):
-        """One program per (request, value head, dv block); requests with more than max_rows rows are skipped."""
+        """One program per (request, value head, dv block); requests with more than max_rows rows are skipped.
+        The first W rows (all of a decode or verify request's) are loaded at once, before the state, so their
+        loads overlap its load instead of each waiting for the row before; they run unrolled, a row past the
+        request's end changing nothing (its g, beta and k load as 0). Rows after them (short prefill chunks) run
+        one by one."""
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -148,9 +165,29 @@ if HAS_TRITON:
         mv = offs_v < DV
         tile = offs_k[:, None] * s_sk + offs_v[None, :]
         mtile = mk[:, None] & mv[None, :]
+        r = tl.arange(0, WP)
+        rows = start + r
+        live = (r < n) & (r < W)
+        qw = tl.load(q_ptr + (rows * q_st + kh * q_sh)[:, None] + offs_k[None, :], mask=live[:, None] & mk[None, :],
+                     other=0.0).to(tl.float32)
+        kw = tl.load(k_ptr + (rows * k_st + kh * k_sh)[:, None] + offs_k[None, :], mask=live[:, None] & mk[None, :],
+                     other=0.0).to(tl.float32)
+        vw = tl.load(v_ptr + (rows * v_st + h * v_sh)[:, None] + offs_v[None, :], mask=live[:, None] & mv[None, :],
+                     other=0.0).to(tl.float32)
+        gw = tl.load(g_ptr + rows * g_st + h, mask=live, other=0.0).to(tl.float32)
+        bw = tl.load(beta_ptr + rows * b_st + h, mask=live, other=0.0).to(tl.float32)
+        qw = qw * (tl.rsqrt(tl.sum(qw * qw, axis=1) + eps) * scale)[:, None]
+        kw = kw * tl.rsqrt(tl.sum(kw * kw, axis=1) + eps)[:, None]
         s = tl.load(state_ptr + slot * s_ss + h * s_sh + tile, mask=mtile, other=0.0).to(tl.float32)  # [BK, BV]
         tl.debug_barrier()  # the read slot may be one this program overwrites below
-        j = n * 0
+        for j in tl.static_range(W):
+            s, ov = _delta_step(s, _row(qw, r, j), _row(kw, r, j), _row(vw, r, j), tl.sum(tl.where(r == j, gw, 0.0)),
+                                tl.sum(tl.where(r == j, bw, 0.0)))
+            tl.store(o_ptr + (start + j) * o_st + h * o_sh + offs_v, ov.to(o_ptr.dtype.element_ty), mask=mv & (j < n))
+            dst = tl.load(wslots_ptr + i * ws_st + j).to(tl.int64)
+            keep = (j < n) & ((j < W - 1) | (j == n - 1))  # the kept rows (`_kept_rows`)
+            tl.store(state_ptr + dst * s_ss + h * s_sh + tile, s.to(state_ptr.dtype.element_ty), mask=mtile & keep)
+        j = n * 0 + W
         while j < n:
             t = start + j
             qv = tl.load(q_ptr + t * q_st + kh * q_sh + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -158,16 +195,12 @@ if HAS_TRITON:
             qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=0) + eps) * scale
             kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + eps)
             vv = tl.load(v_ptr + t * v_st + h * v_sh + offs_v, mask=mv, other=0.0).to(tl.float32)
-            gt = tl.load(g_ptr + t * g_st + h).to(tl.float32)
-            bt = tl.load(beta_ptr + t * b_st + h).to(tl.float32)
-            s = s * tl.exp(gt)
-            delta = (vv - tl.sum(s * kv[:, None], axis=0)) * bt
-            s = s + kv[:, None] * delta[None, :]
-            ov = tl.sum(s * qv[:, None], axis=0)
+            s, ov = _delta_step(s, qv, kv, vv, tl.load(g_ptr + t * g_st + h).to(tl.float32),
+                                tl.load(beta_ptr + t * b_st + h).to(tl.float32))
             tl.store(o_ptr + t * o_st + h * o_sh + offs_v, ov.to(o_ptr.dtype.element_ty), mask=mv)
-            if (j < W - 1) | (j == n - 1):  # the kept rows (`_kept_rows`)
-                dst = tl.load(wslots_ptr + i * ws_st + tl.minimum(j, W - 1)).to(tl.int64)
-                tl.store(state_ptr + dst * s_ss + h * s_sh + tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
+            if j == n - 1:  # the last row's state, to column W-1
+                last = tl.load(wslots_ptr + i * ws_st + W - 1).to(tl.int64)
+                tl.store(state_ptr + last * s_ss + h * s_sh + tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
             j += 1
 
     @triton.jit(do_not_specialize=["T", "split", "ws_st"])
@@ -249,9 +282,11 @@ def _lens(batch: ForwardBatch) -> list[int]:
     return [b - a for a, b in zip(qsl[:-1], qsl[1:])]
 
 
-def gated_delta_rule_triton(q, k, v, g, beta, state, batch: ForwardBatch, out=None, max_rows=None, block_v=None):
+def gated_delta_rule_triton(q, k, v, g, beta, state, batch: ForwardBatch, out=None, max_rows=None, block_v=None,
+                            num_warps=None):
     """The recurrent kernel over every request with at most `max_rows` rows (all when None); the others' rows of
-    `out` are left as they are. Returns out [T, nv, dv] in v's dtype."""
+    `out` are left as they are. Returns out [T, nv, dv] in v's dtype. block_v, num_warps: the tiling (a benchmark's
+    sweep; None: the default)."""
     T, nk, dk = q.shape
     nv, dv = v.shape[1], v.shape[2]
     assert nv % nk == 0 and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
@@ -274,8 +309,8 @@ def gated_delta_rule_triton(q, k, v, g, beta, state, batch: ForwardBatch, out=No
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), wslots.stride(0),
         max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6,
-        REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W,
-        num_warps=8 if block_v >= 32 else 4,  # dk=128: 128 registers a thread either way, no spills (sm_90)
+        REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W, WP=_pow2(W),
+        num_warps=num_warps or (8 if block_v >= 32 else 4),
     )
     return out
 

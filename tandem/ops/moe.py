@@ -12,10 +12,11 @@ CUDA graph:
    is padded up to a multiple of BLOCK_M with the sentinel T*top_k. It yields `sorted_ids [P_max]` (pair indices,
    sentinel in the padding), `block_expert [P_max / BLOCK_M]` (the expert of each block) and `total [1]` (the
    padded count). P_max = T*top_k + min(E, T*top_k) * (BLOCK_M - 1), rounded up to BLOCK_M, is the worst case and
-   known on the host; blocks at or past `total` exit at once (so the align leaves them unwritten). A Triton
-   program per chunk of up to 1024 pairs: the experts' histograms (of every chunk, by a counting launch first
-   when there are several) place each expert's segment, then a sort of (expert, pair) keys in registers places
-   each pair (within an expert in pair order: deterministic). A sort-based torch reference gives the same layout.
+   known on the host; blocks at or past `total` exit at once (so the align leaves them unwritten). The experts'
+   histogram places each expert's segment; each pair goes to its expert's segment in pair order (deterministic).
+   Up to 1024 pairs (decode, verify) several programs each place 64 pairs by their rank among their expert's
+   earlier pairs; more pairs take a program per chunk of 1024, which sorts (expert, pair) keys in registers after
+   a counting launch has made every chunk's histogram. A sort-based torch reference gives the same layout.
 3. `_moe_gate_up_kernel`: a grouped GEMM over (block, I tile): gathers the block's token rows of x, multiplies by
    the block's expert's gate and up rows (two fp32 accumulators) and writes SiLU(gate) * up to `inter [P_max, I]`.
    Only experts that received tokens own blocks, so at decode only the routed experts' weights are read.
@@ -35,8 +36,10 @@ from tandem.ops.fp8 import w8a8_linear_torch
 from tandem.ops.pointwise import gated_sum, silu_mul_torch
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
-# (token, slot) pairs one align program sorts in registers; more pairs take more programs
+# (token, slot) pairs one align program sorts in registers; more pairs take more programs. Up to this many pairs
+# (decode, verify) the align ranks pairs instead, RANK_PAIRS a program
 ALIGN_CHUNK = 1024
+RANK_PAIRS = 64
 
 if HAS_TRITON:
     import triton
@@ -113,12 +116,22 @@ if HAS_TRITON:
         shift = starts + before - (tl.cumsum(mine, axis=0) - mine)  # sorted position i -> slot i + shift[expert]
         dest = i + tl.gather(shift, tl.minimum(expert, E_P2 - 1), 0)
         tl.store(sorted_ptr + dest, c * CHUNK + local, mask=i < n_here)  # sorted positions < n_here are real
+        _pad_and_own(sorted_ptr, block_expert_ptr, counts, padded, ends, total, N, c, n_chunks, E_P2, BLOCK_M,
+                     B_CHUNK)
+
+    @triton.jit
+    def _pad_and_own(sorted_ptr, block_expert_ptr, counts, padded, ends, total, N, c, n_programs,
+                     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr):
+        """Program c of n_programs writes the sentinel N into the padding of the experts e = c (mod n_programs)
+        and its share of `block_expert` (block b's expert: the number of experts whose segment ends at or before
+        b * BLOCK_M), from the experts' counts, padded counts and segment ends."""
+        ex = tl.arange(0, E_P2)
         j = tl.arange(0, BLOCK_M)
-        pad = ((ex % n_chunks) == c)[:, None] & (j[None, :] < (padded - counts)[:, None])
-        tl.store(sorted_ptr + (starts + counts)[:, None] + j[None, :], tl.zeros([E_P2, BLOCK_M], tl.int32) + N,
-                 mask=pad)
+        pad = ((ex % n_programs) == c)[:, None] & (j[None, :] < (padded - counts)[:, None])
+        tl.store(sorted_ptr + (ends - padded + counts)[:, None] + j[None, :],
+                 tl.zeros([E_P2, BLOCK_M], tl.int32) + N, mask=pad)
         n_blocks = total // BLOCK_M
-        share = (n_blocks + n_chunks - 1) // n_chunks
+        share = (n_blocks + n_programs - 1) // n_programs
         b = 0
         while b < share:
             step = b + tl.arange(0, B_CHUNK)
@@ -126,6 +139,35 @@ if HAS_TRITON:
             owner = tl.sum((ends[None, :] <= blk[:, None] * BLOCK_M).to(tl.int32), axis=1)
             tl.store(block_expert_ptr + blk, owner, mask=(step < share) & (blk < n_blocks))
             b += B_CHUNK
+
+    @triton.jit(do_not_specialize=["N"])
+    def _moe_align_ranks_kernel(experts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, E_P2: tl.constexpr,
+                                N_P2: tl.constexpr, PAIRS: tl.constexpr, J_TILE: tl.constexpr,
+                                BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr):
+        """The layout of `_moe_align_kernel` for up to N_P2 pairs (decode, verify) by several programs instead of
+        one: each builds the whole histogram itself, places pairs [p * PAIRS, (p + 1) * PAIRS) at their expert's
+        segment start plus their rank among that expert's earlier pairs (counted in [PAIRS, J_TILE] tiles: no
+        sort), and writes its share of the padding and of `block_expert`."""
+        p = tl.program_id(0)
+        pairs = tl.arange(0, N_P2)
+        counts = tl.histogram(tl.load(experts_ptr + pairs, mask=pairs < N, other=0).to(tl.int32), E_P2,
+                              mask=pairs < N)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        total = tl.sum(padded, axis=0)
+        if p == 0:
+            tl.store(total_ptr, total)
+        i = p * PAIRS + tl.arange(0, PAIRS)
+        e = tl.load(experts_ptr + i, mask=i < N, other=0).to(tl.int32)
+        rank = tl.zeros([PAIRS], tl.int32)
+        for j0 in tl.static_range(0, N_P2, J_TILE):
+            if j0 < (p + 1) * PAIRS:  # tiles wholly after this program's pairs count nothing
+                j = j0 + tl.arange(0, J_TILE)
+                ej = tl.load(experts_ptr + j, mask=j < N, other=E_P2).to(tl.int32)  # padding: no expert's
+                rank += tl.sum(((ej[None, :] == e[:, None]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
+        tl.store(sorted_ptr + tl.gather(ends - padded, e, 0) + rank, i, mask=i < N)
+        _pad_and_own(sorted_ptr, block_expert_ptr, counts, padded, ends, total, N, p, tl.num_programs(0), E_P2,
+                     BLOCK_M, B_CHUNK)
 
     @triton.jit
     def _block_rows(sorted_ptr, block_expert_ptr, pid_m, N_PAIRS, BLOCK_M: tl.constexpr):
@@ -349,14 +391,19 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel:
             sorted_ids, block_expert, total = out
             assert sorted_ids.shape == (p_max,) and block_expert.shape == (p_max // block_m,)
             assert total.shape == (1,) and {t.dtype for t in out} == {torch.int32}
-        if n:
-            chunk = min(ALIGN_CHUNK, max(16, triton.next_power_of_2(n)))
-            n_chunks, e_p2 = triton.cdiv(n, chunk), triton.next_power_of_2(num_experts)
+        e_p2 = triton.next_power_of_2(num_experts)
+        if 0 < n <= ALIGN_CHUNK:
+            n_p2 = max(16, triton.next_power_of_2(n))
+            pairs = min(RANK_PAIRS, n_p2)
+            _moe_align_ranks_kernel[(triton.cdiv(n, pairs),)](
+                flat.contiguous(), sorted_ids, block_expert, total, n, E_P2=e_p2, N_P2=n_p2, PAIRS=pairs,
+                J_TILE=min(128, n_p2), BLOCK_M=block_m, B_CHUNK=16, num_warps=4)
+        elif n:
+            chunk = ALIGN_CHUNK
+            n_chunks = triton.cdiv(n, chunk)
             flat = flat.contiguous()
-            counts = total  # read by no program when there is one chunk
-            if n_chunks > 1:
-                counts = torch.empty(n_chunks, e_p2, dtype=torch.int32, device=flat.device)
-                _moe_count_kernel[(n_chunks,)](flat, counts, n, E_P2=e_p2, CHUNK=chunk, num_warps=4)
+            counts = torch.empty(n_chunks, e_p2, dtype=torch.int32, device=flat.device)
+            _moe_count_kernel[(n_chunks,)](flat, counts, n, E_P2=e_p2, CHUNK=chunk, num_warps=4)
             _moe_align_kernel[(n_chunks,)](flat, counts, sorted_ids, block_expert, total, n, n_chunks, E_P2=e_p2,
                                            CHUNK=chunk, BLOCK_M=block_m, B_CHUNK=16, num_warps=4)
         else:
