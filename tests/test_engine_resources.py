@@ -35,6 +35,14 @@ def test_counts_return_to_zero_with_aborts_at_every_stage():
     assert not eng.sequences and not eng.generators
 
 
+def test_engine_refuses_a_model_of_another_dtype():
+    """The caches follow the engine config's dtype; a model in another one would reach kernels that cannot mix
+    them (on the GPU the attention kernel fails to compile), so the engine says so when it is built."""
+    cfg = preset_config("tiny-moe")
+    with pytest.raises(ValueError, match="bfloat16.*float32"):
+        Engine(cfg, random_model(cfg, "cpu", torch.bfloat16), EngineConfig(block_size=4, max_model_len=64))
+
+
 def test_admission_waits_for_free_blocks():
     # 9 usable blocks of 4 tokens: one 20-token request (5 blocks) at a time
     eng = engine(max_num_seqs=4, num_kv_blocks=10)
