@@ -90,6 +90,15 @@ def _as_h200() -> None:
     gdn.HAS_FLA = False  # long prompts take fla's kernels on the GPU; ours then take every row here
 
 
+def _compile_only_on_h200() -> dict:
+    """From here on launches compile for an H200 and do not run; returns the dict the compiled variants go to."""
+    driver.set_active(_CompileOnlyDriver())
+    found: dict = {}
+    _record_compiles(found)
+    _as_h200()
+    return found
+
+
 def _batch(cfg_blocks: int, rows: list[tuple[int, int]], k: int) -> ForwardBatch:
     """rows: (cached context, query rows) per request."""
     qsl, seq_lens = [0], []
@@ -138,10 +147,7 @@ def _caches(cfg: ModelConfig, dtype: torch.dtype, blocks: int, slots: int):
 
 def compile_forward_kernels(preset: str, dtype: torch.dtype, shapes: list[str]) -> list[tuple[str, object]]:
     """(kernel name, compiled kernel) of every variant the forwards of `shapes` launch, target and MTP head."""
-    driver.set_active(_CompileOnlyDriver())
-    found: dict = {}
-    _record_compiles(found)
-    _as_h200()
+    found = _compile_only_on_h200()
     cfg = ModelConfig.from_hf(dict(PRESETS[preset], num_hidden_layers=LAYERS))
     model = build_empty_model(cfg, "cpu", dtype, with_mtp=True, fp8=cfg.quantization).fuse_projections()
     k = 2
@@ -165,9 +171,7 @@ def compiles_after_warm_up(preset: str, seed: int, prefill_only: bool = False, k
     from tandem.config import EngineConfig
     from tandem.engine.llm import Engine
 
-    driver.set_active(_CompileOnlyDriver())
-    _record_compiles({})
-    _as_h200()
+    _compile_only_on_h200()
     # the kernels' outputs are never written: fill fresh tensors (NaN) so every run takes the same schedule
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True
