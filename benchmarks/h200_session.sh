@@ -92,9 +92,10 @@ for part in $PARTS; do
         done
         grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.txt" | head -20 ;;
     step)
-        timeout 900 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE $STEP --json "$OUT/step-$MODEL.json" \
-            > "$OUT/step-$MODEL.txt" 2>&1
-        sed -n '/===== summary/,$p' "$OUT/step-$MODEL.txt" ;;
+        name=step-$(basename "$MODEL")  # MODEL may be a checkpoint directory
+        timeout 900 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE $STEP --json "$OUT/$name.json" \
+            > "$OUT/$name.txt" 2>&1
+        sed -n '/===== summary/,$p' "$OUT/$name.txt" ;;
     ops)  # the prefill-size kernels against their floors, with the tilings each dispatch could take instead
         timeout 300 python3 benchmarks/prefill_ops.py --sweep ${OPS_ROWS:+--rows $OPS_ROWS} > "$OUT/prefill_ops.txt" 2>&1
         cat "$OUT/prefill_ops.txt" ;;

@@ -105,7 +105,7 @@ def conv_rows(rep: Report, sweep: bool):
         rep.row(f"conv T={T} C={C} split={split or 'auto'} block_t={block_t or 'auto'}", us, nbytes)
 
 
-def gated_norm_rows(rep: Report):
+def gated_norm_rows(rep: Report, sweep: bool):  # no tilings to sweep
     dev, dt, T = "cuda", torch.bfloat16, PROMPTS * LEN
     o = torch.randn(T, NV, DV, device=dev, dtype=dt)
     proj = torch.randn(T, 2 * NK * DK + 2 * NV * DV + 2 * NV, device=dev, dtype=dt)
@@ -134,7 +134,7 @@ def recurrent_rows(rep: Report, sweep: bool):
             rep.row(f"recurrent B={B} rows={rows} block_v={block_v or 'auto'} warps={warps or 'auto'}", us, nbytes)
 
 
-def align_rows(rep: Report):
+def align_rows(rep: Report, sweep: bool):  # no tilings to sweep
     for T in (1, 32, 96, 1024, PROMPTS * LEN):  # decode at B = 1 and 32, verify at B = 32 with k = 2, prefill
         experts = torch.rand(T, E, device="cuda").topk(TOP_K, dim=1).indices
         block_m = moe._configs(T * TOP_K, E)[0]  # the dispatch's
@@ -187,8 +187,8 @@ def attention_rows(rep: Report, sweep: bool):
                 us, nbytes, flops)
 
 
-ROWS = {"conv": conv_rows, "norm": lambda rep, sweep: gated_norm_rows(rep), "recurrent": recurrent_rows,
-        "align": lambda rep, sweep: align_rows(rep), "experts": experts_rows, "attention": attention_rows}
+ROWS = {"conv": conv_rows, "norm": gated_norm_rows, "recurrent": recurrent_rows, "align": align_rows,
+        "experts": experts_rows, "attention": attention_rows}  # each takes (report, sweep)
 
 
 def main():

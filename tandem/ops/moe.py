@@ -84,9 +84,9 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["N", "n_chunks"])
     def _moe_align_kernel(experts_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, n_chunks,
                           E_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr):
-        """One program per chunk of CHUNK pairs. The counts of all chunks (this one's histogram, the others' from
-        `_moe_count_kernel`) give each expert's padded segment and this chunk's offset inside it (the pairs of the
-        chunks before). Sorting the keys expert * CHUNK + local index puts the chunk's pairs in expert order, each
+        """One program per chunk of CHUNK pairs (more than one chunk: fewer pairs take `_moe_align_ranks_kernel`).
+        The chunks' histograms from `_moe_count_kernel` give each expert's padded segment and this chunk's offset
+        inside it (the pairs of the chunks before). Sorting the keys expert * CHUNK + local index puts the chunk's pairs in expert order, each
         expert's in pair order, so across chunks every expert's pairs lie in pair order (deterministic: the layout
         of `_moe_align_torch`). Each program also writes the sentinel N into the padding of the experts
         e = c (mod n_chunks) and a share of `block_expert` (block b's expert: the number of experts whose segment
@@ -96,12 +96,12 @@ if HAS_TRITON:
         i = tl.arange(0, CHUNK)
         n_here = tl.minimum(N - c * CHUNK, CHUNK)
         e = tl.load(experts_ptr + c * CHUNK + i, mask=i < n_here, other=E_P2).to(tl.int32)  # padding sorts last
-        mine = tl.histogram(e, E_P2, mask=i < n_here)
         ex = tl.arange(0, E_P2)
-        counts, before = mine, tl.zeros([E_P2], tl.int32)
+        mine = tl.load(counts_ptr + c * E_P2 + ex)
+        counts, before = tl.zeros([E_P2], tl.int32), tl.zeros([E_P2], tl.int32)
         k = 0
         while k < n_chunks:  # while loops: the interpreter cannot take a runtime value as a range() bound
-            row = tl.load(counts_ptr + k * E_P2 + ex, mask=(ex < E_P2) & (k != c), other=0)
+            row = tl.load(counts_ptr + k * E_P2 + ex)
             counts += row
             before += tl.where(k < c, row, 0)
             k += 1
