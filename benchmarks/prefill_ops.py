@@ -123,13 +123,13 @@ def recurrent_rows(rep: Report, sweep: bool):
         T = B * rows
         q, k = (torch.randn(T, NK, DK, device=dev, dtype=dt) for _ in range(2))
         v = torch.randn(T, NV, DV, device=dev, dtype=dt)
-        g = -torch.rand(T, NV, device=dev)
-        beta = torch.rand(T, NV, device=dev, dtype=dt)
+        ab = torch.randn(T, 2 * NV, device=dev, dtype=dt)
+        gates = gdn.Gates(ab[:, :NV], ab[:, NV:], torch.rand(NV, device=dev) - 2, torch.ones(NV, device=dev, dtype=dt))
         state = torch.randn(B * (rows + 1) + 1, NV, DK, DV, device=dev) * 0.1
         nbytes = (1 + rows) * B * NV * DK * DV * 4 + T * (2 * NK * DK + NV * DV) * 2
         configs = [(None, None)] + ([(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)] if sweep else [])
         for block_v, warps in configs:
-            us = graph_us(lambda: gdn.gated_delta_rule_triton(q, k, v, g, beta, state, batch, block_v=block_v,
+            us = graph_us(lambda: gdn.gated_delta_rule_triton(q, k, v, gates, state, batch, block_v=block_v,
                                                               num_warps=warps))
             rep.row(f"recurrent B={B} rows={rows} block_v={block_v or 'auto'} warps={warps or 'auto'}", us, nbytes)
 

@@ -10,10 +10,11 @@ from tandem.model.presets import PRESETS
 KINDS = {
     "dense": ("tiny-dense", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
     "moe": ("tiny-moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {}),
-    # Qwen3-Next: its own packed GDN projections, one dense layer among MoE layers, no top-k renormalisation
+    # Qwen3-Next: its own packed GDN projections, one dense layer among MoE layers, no top-k renormalisation; its
+    # shared expert has the experts' size (as in the real checkpoints), so the experts host it (`Experts.host`)
     "next": ("tiny-moe", "Qwen3NextConfig", "Qwen3NextForCausalLM",
              {"model_type": "qwen3_next", "intermediate_size": 96, "mlp_only_layers": [1], "decoder_sparse_step": 1,
-              "norm_topk_prob": False}),
+              "norm_topk_prob": False, "shared_expert_intermediate_size": 32}),
 }
 
 

@@ -12,13 +12,24 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.engine.sequence import Sequence
 from tandem.model.loader import build_empty_model
-from tandem.model.presets import preset_config, random_model
-from tandem.model.qwen3_5 import MLP, ROW_ALIGN, GatedAttention, GatedDeltaNet, SparseMoE
+from tandem.config import ModelConfig
+from tandem.model.presets import PRESETS, preset_config, random_model
+from tandem.model.qwen3_5 import MLP, ROW_ALIGN, SHARED_AS_EXPERT_MAX_ROWS, GatedAttention, GatedDeltaNet, SparseMoE
 from tandem.ops import moe
 from tandem.ops.triton_utils import HAS_TRITON
 from tandem.parallel import TPGroup
 
-NAMES = ["tiny-moe", "tiny-dense"]
+NAMES = ["tiny-moe", "tiny-dense", "tiny-moe-hosting"]
+HOSTING = "-hosting"  # a MoE preset whose shared expert has the experts' size, as in the real checkpoints
+
+
+def config(name: str) -> ModelConfig:
+    """A preset, or (name ending in HOSTING) the preset with the shared expert resized to the experts' size, so
+    that the experts host it (`Experts.host`)."""
+    if not name.endswith(HOSTING):
+        return preset_config(name)
+    d = dict(PRESETS[name.removesuffix(HOSTING)])
+    return ModelConfig.from_hf(dict(d, shared_expert_intermediate_size=d["moe_intermediate_size"]))
 FUSED = (GatedDeltaNet, GatedAttention, MLP, SparseMoE)
 
 
@@ -101,18 +112,19 @@ def greedy(cfg, model, ps, k):
     return [out[str(i)] for i in range(len(ps))]
 
 
-@pytest.mark.parametrize("name", NAMES + ["tiny-moe-fp8"])
+@pytest.mark.parametrize("name", NAMES + ["tiny-moe-fp8", "tiny-moe-fp8-hosting"])
 def test_fused_model_equals_unfused(name):
     """For the FP8 preset (W8A8 through the torch reference): the e4m3 projections stack apart from the
     high-precision ones (router, gates, GDN a/b), so fusing changes only the GEMM count, not the maths."""
-    cfg = preset_config(name)
+    cfg = config(name)
     model = random_model(cfg, "cpu", torch.float32, seed=2, fp8_compute=cfg.quantization is not None)
     assert_fused(model)
     if cfg.quantization is not None:
         assert is_fp8(model)
         gdn, moe_block = model.model.layers[0].linear_attn, model.model.layers[0].mlp
         assert [g.index for g in gdn._groups] == [[0, 1], [2, 3]]  # qkv | z in e4m3, b | a in fp32
-        assert [g.index for g in moe_block._groups] == [[0, 3], [1, 2]]  # router | gate, shared gate | up
+        # router | gate, shared gate | up; or, with the shared expert hosted by the experts, router | gate alone
+        assert [g.index for g in moe_block._groups] == ([[0, 1]] if moe_block.hosted else [[0, 3], [1, 2]])
     ref = unfused_copy(cfg, model)
     assert list(model.state_dict()) == list(ref.state_dict())
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
@@ -144,9 +156,43 @@ def test_moe_block_is_one_gemm_with_the_shared_expert():
     assert torch.allclose(moe.shared_expert(x), moe.shared_expert.down_proj(want), atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["tiny-moe-hosting", "tiny-moe-fp8-hosting"])
+def test_experts_host_a_shared_expert_of_their_size(name):
+    """The shared expert becomes expert E of [E + 1, ...] expert tensors (its parameters views into them, no
+    copy); up to SHARED_AS_EXPERT_MAX_ROWS rows every token is routed to it with weight sigmoid(gate logit), more
+    rows run it by its own GEMMs: both give the unfused block's output. Not when the sizes differ (tiny-moe)."""
+    assert not any(m.hosted for m in random_model(preset_config("tiny-moe"), "cpu", torch.float32).modules()
+                   if isinstance(m, SparseMoE))
+    cfg = config(name)
+    fp8 = cfg.quantization is not None
+    model = random_model(cfg, "cpu", torch.float32, seed=4, fp8_compute=fp8)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert len(blocks) == len(cfg.moe_layers) + 1 and all(b.hosted for b in blocks)  # the MTP head's too
+    block, E, inter = blocks[0], cfg.num_experts, cfg.moe_intermediate_size
+    gate_up, down, gate_up_scale, down_scale = block.experts._with_shared
+    shared = block.shared_expert
+    assert gate_up.shape == (E + 1, 2 * inter, cfg.hidden_size) and down.shape == (E + 1, cfg.hidden_size, inter)
+    views = [(block.experts.gate_up_proj, gate_up[:E]), (shared.gate_proj.weight, gate_up[E, :inter]),
+             (shared.up_proj.weight, gate_up[E, inter:]), (block.experts.down_proj, down[:E]),
+             (shared.down_proj.weight, down[E])]
+    if fp8:
+        half = gate_up_scale.shape[1] // 2
+        views += [(shared.gate_proj.weight_scale_inv, gate_up_scale[E, :half]),
+                  (shared.up_proj.weight_scale_inv, gate_up_scale[E, half:]),
+                  (shared.down_proj.weight_scale_inv, down_scale[E])]
+    for param, rows in views:
+        assert param.data_ptr() == rows.data_ptr() and param.shape == rows.shape
+    ref = unfused_copy(cfg, model)
+    ref_block = [m for m in ref.modules() if isinstance(m, SparseMoE)][0]
+    assert not ref_block.hosted
+    x = torch.randn(SHARED_AS_EXPERT_MAX_ROWS + 3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for rows in (1, 6, SHARED_AS_EXPERT_MAX_ROWS, SHARED_AS_EXPERT_MAX_ROWS + 3):
+        assert (block(x[:rows]) - ref_block(x[:rows])).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_fusing_again_changes_nothing(name):
-    model = random_model(preset_config(name), "cpu", torch.float32)
+    model = random_model(config(name), "cpu", torch.float32)
     def fused_ptrs():
         return {id(m): [g.weight.data_ptr() for g in m._groups] for m in fused_modules(model)}
 
@@ -193,7 +239,7 @@ def test_routing_kernel_from_fused_logits(monkeypatch, renorm):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_tensor_parallel_shards_are_fused(name):
-    cfg = preset_config(name)
+    cfg = config(name)
     for rank in range(2):
         part = random_model(cfg, "cpu", torch.float32, seed=3, tp=TPGroup(rank, 2))  # no process group needed
         assert_fused(part)
@@ -239,7 +285,7 @@ def on_gpu(cfg, model):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", NAMES)
 def test_fused_model_equals_unfused_on_gpu(name):
-    cfg = preset_config(name)
+    cfg = config(name)
     model = random_model(cfg, "cuda", torch.float32, seed=2)
     assert_fused(model)
     ref = on_gpu(cfg, model)
@@ -267,9 +313,11 @@ def test_fused_model_equals_unfused_on_gpu(name):
     # some of the small separate GEMMs as two kernels: more are saved then.)
     ("tiny-moe", 3 * 3 + 2 + 4 * 3, 3 * 2 + 1 + 4 * 2),
     ("tiny-dense", 3 * 3 + 2 + 4 * 1, 3 * 2 + 1 + 4 * 1),
+    # the experts host the shared expert: per MoE block also its SiLU * up and its down GEMM
+    ("tiny-moe-hosting", 3 * 3 + 2 + 4 * 5, 3 * 2 + 1 + 4 * 4),
 ])
 def test_fused_model_launches_fewer_kernels(name, saved_decode, saved_verify):
-    cfg = preset_config(name)
+    cfg = config(name)
     model = random_model(cfg, "cuda", torch.bfloat16)
     ref = on_gpu(cfg, model)
     assert step_kernels(cfg, ref, 1) - step_kernels(cfg, model, 1) >= saved_decode

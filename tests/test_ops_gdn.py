@@ -43,10 +43,17 @@ def gdn_inputs(T, nk, nv, dk, dv, slots, dtype, device, g):
     # q, k, v as the model makes them: views into one [T, conv_dim] tensor
     qkv = r(T, 2 * nk * dk + nv * dv).to(device, dtype)
     q, k, v = qkv.split([nk * dk, nk * dk, nv * dv], dim=-1)
-    gate = (-torch.rand(T, nv, generator=g) * 0.5).to(device)  # fp32 log decay
-    beta = torch.rand(T, nv, generator=g).to(device, dtype)
+    # a and b as views into the fused projection's output (after z), A_log and dt_bias as the model holds them
+    ba = r(T, 3 * nv).to(device, dtype)
+    gates = gdn.Gates(ba[:, nv : 2 * nv], ba[:, 2 * nv :], (torch.rand(nv, generator=g) * 2 - 3).to(device),
+                      (torch.rand(nv, generator=g) + 0.5).to(device, dtype))
     state = (r(slots, nv, dk, dv) * 0.3).to(device)  # fp32
-    return q.view(T, nk, dk), k.view(T, nk, dk), v.view(T, nv, dv), gate, beta, state
+    return q.view(T, nk, dk), k.view(T, nk, dk), v.view(T, nv, dv), gates, state
+
+
+def reference(q, k, v, gates, state, batch):
+    """The torch recurrence from the torch gates (each pinned to fp64 maths in its own test)."""
+    return gdn._gated_delta_rule_torch(q, k, v, *gdn.gdn_gates_torch(*gates), state, batch)
 
 
 def conv_inputs(T, C, K, slots, dtype, device, g):
@@ -83,11 +90,11 @@ FLA_BF16 = {"elem": 1e-1, "rel": 3e-2}  # fla's chunked form also rounds its int
 def run_gdn(fn, W, lens, nk, nv, dk, dv, dtype, device, tol, seed, fla_long=(), **kw):
     g = torch.Generator().manual_seed(seed)
     batch, slots = make_batch(lens, W, device, g)
-    q, k, v, gate, beta, state = gdn_inputs(sum(lens), nk, nv, dk, dv, slots, dtype, device, g)
+    q, k, v, gates, state = gdn_inputs(sum(lens), nk, nv, dk, dv, slots, dtype, device, g)
     ref_state, got_state, before = state.clone(), state.clone(), state.clone()
-    ref = gdn._gated_delta_rule_torch(q, k, v, gate, beta, ref_state, batch)
+    ref = reference(q, k, v, gates, ref_state, batch)
     out = torch.full(v.shape, float("nan"), dtype=v.dtype, device=device)
-    got = fn(q, k, v, gate, beta, got_state, batch, out=out, **kw)
+    got = fn(q, k, v, gates, got_state, batch, out=out, **kw)
     assert got is out and not got.isnan().any()
     check_close(got, ref, tol)
     written = touched(batch, lens, W, fla_long)
@@ -145,10 +152,10 @@ def test_gdn_recurrent_kernel_cpu_interpreter_bf16_and_skip():
     g = torch.Generator().manual_seed(6)
     lens, W = [1, 9, 3], 3
     batch, slots = make_batch(lens, W, "cpu", g)
-    q, k, v, gate, beta, state = gdn_inputs(sum(lens), 1, 2, 16, 16, slots, torch.float32, "cpu", g)
+    q, k, v, gates, state = gdn_inputs(sum(lens), 1, 2, 16, 16, slots, torch.float32, "cpu", g)
     before = state.clone()
     out = torch.full(v.shape, float("nan"))
-    gdn.gated_delta_rule_triton(q, k, v, gate, beta, state, batch, out=out, max_rows=3)
+    gdn.gated_delta_rule_triton(q, k, v, gates, state, batch, out=out, max_rows=3)
     assert out[1:10].isnan().all() and not out[:1].isnan().any() and not out[10:].isnan().any()
     for c in range(W):
         assert torch.equal(state[int(batch.state_write_slots[1, c])], before[int(batch.state_write_slots[1, c])])
@@ -177,10 +184,9 @@ def test_conv1d_kernel_cpu_interpreter_bf16_k2():
 def test_dispatch_cpu_takes_reference():
     g = torch.Generator().manual_seed(30)
     batch, slots = make_batch([1, 2], 2, "cpu", g)
-    q, k, v, gate, beta, state = gdn_inputs(3, 1, 2, 8, 8, slots, torch.float32, "cpu", g)
+    q, k, v, gates, state = gdn_inputs(3, 1, 2, 8, 8, slots, torch.float32, "cpu", g)
     s2 = state.clone()
-    assert torch.equal(gdn.gated_delta_rule(q, k, v, gate, beta, state, batch),
-                       gdn._gated_delta_rule_torch(q, k, v, gate, beta, s2, batch))
+    assert torch.equal(gdn.gated_delta_rule(q, k, v, gates, state, batch), reference(q, k, v, gates, s2, batch))
     assert torch.equal(state, s2)
 
 
@@ -190,8 +196,8 @@ QWEN = dict(nk=16, nv=32, dk=128, dv=128)
 GPU_LENS = {1: [1] * 6 + [5, 40], 3: [3] * 5 + [1, 2, 50]}  # all within FLA_MIN_ROWS: the recurrent kernel
 
 
-def _dispatch_gdn(q, k, v, gate, beta, state, batch, out):
-    o = gdn.gated_delta_rule(q, k, v, gate, beta, state, batch)
+def _dispatch_gdn(q, k, v, gates, state, batch, out):
+    o = gdn.gated_delta_rule(q, k, v, gates, state, batch)
     out.copy_(o)
     return out
 

@@ -182,6 +182,26 @@ def test_route_kernel_cpu_interpreter(E, top_k, renorm):
     assert (w - w_ref).abs().max() <= 1e-6
 
 
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_route_kernel_with_the_shared_expert_cpu_interpreter(top_k):
+    """With a shared-expert logit every token gets one more pair: expert E, weight sigmoid(logit) (fp64 oracle),
+    read like the router's columns from a fused projection's strided output."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter case runs where there is no GPU")
+    E = 16
+    g = torch.Generator().manual_seed(top_k)
+    fused = torch.randn(29, E + 5, generator=g)
+    logits, shared = fused[:, :E], fused[:, E : E + 1]
+    w, e = moe.route_logits_triton(logits, top_k, True, shared)
+    p = logits.double().softmax(-1)
+    w_ref, e_ref = p.topk(top_k, -1)
+    assert torch.equal(e[:, :top_k], e_ref) and torch.equal(e[:, top_k], torch.full((29,), E))
+    assert (w[:, :top_k].double() - w_ref / w_ref.sum(-1, keepdim=True)).abs().max() <= 1e-6
+    assert (w[:, top_k].double() - torch.sigmoid(shared[:, 0].double())).abs().max() <= 1e-6
+    w_t, e_t = moe.route_logits_torch(logits, top_k, True, shared)
+    assert torch.equal(e_t, e) and (w_t - w).abs().max() <= 1e-6
+
+
 def test_dispatch_cpu_takes_reference():
     x, gate_up, down, weights, experts, router = make_case(5, 8, 2, 64, 32, seed=1)
     assert torch.equal(moe.fused_experts(x, gate_up, down, weights, experts),

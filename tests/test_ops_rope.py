@@ -1,5 +1,6 @@
-"""q/k RMSNorm1p + partial RoPE: the Triton kernel and the torch reference against fp64 maths from the fp32 angles
-(positions up to 100k), over the strided query view gated attention takes from its fused projection."""
+"""q/k RMSNorm1p + partial RoPE with the keys and values written to their cache slots: the Triton kernel and the torch
+reference against fp64 maths from the fp32 angles (positions up to 100k), over the strided views gated attention
+takes from its fused projection."""
 
 import pytest
 import torch
@@ -31,21 +32,30 @@ def check(device, dtype, tol):
     for T, nh, nkv, hd, rotary in [(1, 2, 1, 16, 16), (5, 4, 2, 32, 8), (9, 8, 1, 48, 12)]:  # full, partial
         q_gate = torch.randn(T, nh, 2 * hd, generator=g).to(device, dtype)
         q = q_gate.chunk(2, dim=-1)[0]  # every other hd-wide slice: a strided view
-        k = torch.randn(T, nkv, hd, generator=g).to(device, dtype)
+        kv = torch.randn(T, 2, nkv, hd, generator=g).to(device, dtype)
+        k, v = kv[:, 0], kv[:, 1]  # strided too, as the fused projection's outputs
         qw, kw = (torch.randn(hd, generator=g) * 0.3).to(device, dtype), (torch.randn(hd, generator=g) * 0.3).to(
             device, dtype)
         positions = torch.randint(0, 100_000, (T,), generator=g).to(device)
+        slots = torch.randperm(4 * 3, generator=g)[:T].to(device)  # 4 blocks of 3 slots, each token its own
         inv_freq = rope.inv_frequencies(rotary, 1e7, device=device)
         batch = batch_of(positions)
         cos, sin = rope.rope_tables(batch, inv_freq, dtype)
         assert rope.rope_tables(batch, inv_freq, dtype)[0] is cos  # made once per forward
         want = (fp64_norm_rope(q, qw, 1e-6, positions, inv_freq), fp64_norm_rope(k, kw, 1e-6, positions, inv_freq))
         outs = []
-        for impl in (rope.qk_norm_rope_triton, rope.qk_norm_rope_torch):
-            got = impl(q, k, qw, kw, 1e-6, cos, sin)
+        for impl in (rope.qk_norm_rope_write_kv_triton, rope.qk_norm_rope_write_kv):
+            k_cache, v_cache = (torch.full((4, 3, nkv, hd), float("nan"), dtype=dtype, device=device) for _ in "kv")
+            got_q = impl(q, k, v, qw, kw, 1e-6, cos, sin, k_cache, v_cache, slots)
+            got = (got_q, k_cache.view(-1, nkv, hd)[slots])
+            assert torch.equal(v_cache.view(-1, nkv, hd)[slots], v)
+            unused = torch.ones(12, dtype=torch.bool, device=device)
+            unused[slots] = False
+            assert k_cache.view(12, -1)[unused].isnan().all() and v_cache.view(12, -1)[unused].isnan().all()
             for x, w in zip(got, want):
-                assert x.dtype == dtype and x.is_contiguous() and x.shape == w.shape
+                assert x.dtype == dtype and x.shape == w.shape
                 assert ((x.double() - w).abs() <= tol * (1 + w.abs())).all(), float((x.double() - w).abs().max())
+            assert got_q.is_contiguous()
             outs.append(got)
         ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -21
         for x, ref in zip(*outs):  # the same roundings: at most one unit in the last place apart

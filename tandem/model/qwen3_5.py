@@ -33,13 +33,13 @@ from torch import nn
 
 from tandem.config import ModelConfig
 from tandem.model.batch import ForwardBatch
-from tandem.ops.attention import paged_attention, write_kv
+from tandem.ops.attention import paged_attention
 from tandem.ops.fp8 import FP8_DTYPE, scale_shape, w8a8_linear
-from tandem.ops.gdn import causal_conv1d, gated_delta_rule
+from tandem.ops.gdn import Gates, causal_conv1d, gated_delta_rule
 from tandem.ops.moe import fused_experts, route_logits
 from tandem.ops.norm import add_rms_norm_1p, gated_rms_norm, rms_norm_1p
-from tandem.ops.pointwise import gdn_gates, sigmoid_gate, silu_mul
-from tandem.ops.rope import inv_frequencies, qk_norm_rope, rope_tables
+from tandem.ops.pointwise import sigmoid_gate, silu_mul
+from tandem.ops.rope import inv_frequencies, qk_norm_rope_write_kv, rope_tables
 from tandem.parallel import SINGLE, Split, TPGroup
 
 
@@ -105,7 +105,7 @@ def _linear(n_in: int, n_out: int) -> nn.Linear:
 
 
 def _stacked(params: list[nn.Parameter]) -> bool:
-    """Whether the 2-D `params` already lie one after another, in order, in one storage."""
+    """Whether the `params` already lie one after another, in order, in one storage."""
     storage, offset = params[0].untyped_storage().data_ptr(), params[0].storage_offset()
     for p in params:
         if (not p.is_contiguous() or p.dtype != params[0].dtype or p.untyped_storage().data_ptr() != storage
@@ -121,21 +121,24 @@ ROW_ALIGN = 16
 
 
 def _stack_rows(params: list[nn.Parameter], align: int = 1) -> torch.Tensor:
-    """One [rows, in] tensor holding the 2-D `params` stacked along dim 0, each parameter re-pointed at its rows (no
-    extra memory), then rows nobody reads up to a multiple of `align`. Parameters stacked already (fused before,
-    or by an enclosing module) are left where they are: the result is then a view over them, which makes fusing
-    idempotent (its padding rows, if any, are whatever the storage holds after them)."""
+    """One [rows, cols] tensor holding the `params` (each read as rows of its last dim, cols wide) one after
+    another, each parameter re-pointed at its rows with its own shape (no extra memory), then rows nobody reads
+    up to a multiple of `align`. Parameters stacked already (fused before, or by an enclosing module) are left
+    where they are: the result is then a view over them, which makes fusing idempotent (its padding rows, if
+    any, are whatever the storage holds after them)."""
     first = params[0].data
-    rows = sum(p.shape[0] for p in params)
+    cols = first.shape[-1]
+    rows = sum(p.numel() // cols for p in params)
     padded = -(-rows // align) * align
     room = first.untyped_storage().nbytes() // first.element_size() - first.storage_offset()
-    if _stacked(params) and padded * first.shape[1] <= room:
-        return first.as_strided((padded, first.shape[1]), (first.shape[1], 1))
-    fused = torch.cat([p.data for p in params] + [first.new_zeros(padded - rows, first.shape[1])])
+    if _stacked(params) and padded * cols <= room:
+        return first.as_strided((padded, cols), (cols, 1))
+    fused = torch.cat([p.data.reshape(-1, cols) for p in params] + [first.new_zeros(padded - rows, cols)])
     start = 0
     for p in params:
-        p.data = fused[start : start + p.shape[0]]
-        start += p.shape[0]
+        n = p.numel() // cols
+        p.data = fused[start : start + n].view(p.shape)
+        start += n
     return fused
 
 
@@ -266,18 +269,19 @@ class GatedDeltaNet(_FusedProjections):
     def steps(self, x, batch: ForwardBatch, conv_state, recurrent_state):
         T = x.shape[0]
         mixed_qkv, z, b, a = self.project(x)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # log-decay (fp32) and write strength
-        o = yield Core(self.recurrence, (mixed_qkv, g, beta), (conv_state, recurrent_state))
+        o = yield Core(self.recurrence, (mixed_qkv, a, b), (conv_state, recurrent_state))
         o = self.norm(o, z.view(T, self.nv, self.dv))
         return self.out_proj(o.reshape(T, -1))
 
-    def recurrence(self, mixed_qkv, g, beta, batch: ForwardBatch, conv_state, recurrent_state, out=None):
-        """The conv and the delta rule, request by request from their state slots -> o [T, nv, dv]."""
+    def recurrence(self, mixed_qkv, a, b, batch: ForwardBatch, conv_state, recurrent_state, out=None):
+        """The conv and the delta rule, request by request from their state slots -> o [T, nv, dv]; the
+        log-decay g and write strength beta come from a and b inside the delta rule's kernel."""
         T = mixed_qkv.shape[0]
         q, k, v = causal_conv1d(mixed_qkv, conv_state, self.conv1d.weight[:, 0, :], batch,
                                 splits=[self.nk * self.dk, self.nk * self.dk, self.nv * self.dv])
         return gated_delta_rule(q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk),
-                                v.view(T, self.nv, self.dv), g, beta, recurrent_state, batch, out=out)
+                                v.view(T, self.nv, self.dv), Gates(a, b, self.A_log, self.dt_bias), recurrent_state,
+                                batch, out=out)
 
 
 class GatedAttention(_FusedProjections):
@@ -304,9 +308,8 @@ class GatedAttention(_FusedProjections):
         q_gate, k, v = self.project(x)
         q, gate = q_gate.view(T, self.nh, 2 * self.hd).chunk(2, dim=-1)
         cos, sin = rope_tables(batch, inv_freq, x.dtype)
-        q, k = qk_norm_rope(q, k.view(T, self.nkv, self.hd), self.q_norm.weight, self.k_norm.weight,
-                            self.q_norm.eps, cos, sin)
-        write_kv(k_cache, v_cache, batch.slot_mapping, k, v.view(T, self.nkv, self.hd))
+        q = qk_norm_rope_write_kv(q, k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd), self.q_norm.weight,
+                                  self.k_norm.weight, self.q_norm.eps, cos, sin, k_cache, v_cache, batch.slot_mapping)
         o = yield Core(self.attend, (q,), (k_cache, v_cache))
         return self.o_proj(sigmoid_gate(o.reshape(T, -1), gate))
 
@@ -347,12 +350,42 @@ class Experts(nn.Module):
         self.register_parameter("down_proj_scale_inv", None)
         self.block: tuple[int, int] | None = None
         self.tp_splits = {"gate_up_proj": Split(0), "down_proj": Split(0)}
+        self._with_shared: tuple | None = None  # `host`: (gate_up, down, their scales) of E + 1 experts
 
-    def forward(self, x, weights, experts, shared, shared_logit):
+    def host(self, shared: MLP) -> bool:
+        """Stores `shared` as expert E, right after the E experts (the parameters of both become views of
+        [E + 1, ...] tensors: no extra memory), when it has an expert's shape and storage and every expert is on
+        this rank; returns whether it did. A batch can then route each token to the shared expert too, with
+        weight sigmoid(shared logit), and run it in the experts' kernels: two launches fewer per layer and no
+        GEMM of its own (it is SwiGLU with the experts' intermediate size, so its sum is theirs)."""
+        E, I = self.gate_up_proj.shape[0], self.down_proj.shape[2]
+        projections = (shared.gate_proj, shared.up_proj, shared.down_proj)
+        fp8 = self.block is not None
+        if (E != self.num_experts or shared.gate_proj.weight.shape != (I, self.gate_up_proj.shape[2])
+                or any(m.weight.dtype != self.gate_up_proj.dtype for m in projections)
+                or any(isinstance(m, Fp8Linear) != fp8 or (fp8 and m.block != self.block) for m in projections)):
+            self._with_shared = None
+            return False
+        gate, up, down = projections
+
+        def stacked(own, *parts):  # [E + 1, ...]: expert E made of `parts`
+            return _stack_rows([own, *parts]).view(E + 1, *own.shape[1:])
+
+        self._with_shared = (stacked(self.gate_up_proj, gate.weight, up.weight), stacked(self.down_proj, down.weight),
+                             stacked(self.gate_up_proj_scale_inv, gate.weight_scale_inv, up.weight_scale_inv)
+                             if fp8 else None,
+                             stacked(self.down_proj_scale_inv, down.weight_scale_inv) if fp8 else None)
+        return True
+
+    def forward(self, x, weights, experts, shared=None, shared_logit=None):
         """Sum of `weight * expert(x)` over the (token, expert) pairs routed to this rank's experts, plus the
-        gated shared expert `sigmoid(shared_logit) * shared` (added in the same pass on one rank)."""
+        gated shared expert `sigmoid(shared_logit) * shared` (added in the same pass on one rank). Without
+        `shared`, the shared expert is expert E among `experts` (`host`)."""
         local = self.gate_up_proj.shape[0]
         fp8 = dict(gate_up_scale=self.gate_up_proj_scale_inv, down_scale=self.down_proj_scale_inv, block=self.block)
+        if shared is None:
+            gate_up, down, fp8["gate_up_scale"], fp8["down_scale"] = self._with_shared
+            return fused_experts(x, gate_up, down, weights, experts, **fp8)
         if local == self.num_experts:
             return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **fp8, shared=shared,
                                  shared_logit=shared_logit)
@@ -371,6 +404,12 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
 
 
+# Up to this many rows a MoE block whose experts host its shared expert (`Experts.host`) routes every token to it
+# (decode and verify steps: the launches saved matter); more rows (prefill) run it as its own GEMMs, as cuBLAS
+# is faster than the grouped kernels at those sizes
+SHARED_AS_EXPERT_MAX_ROWS = 256
+
+
 class SparseMoE(_FusedProjections):
     """Routed experts plus a sigmoid-gated shared expert. Every rank routes every token over all experts with the
     full router; the sum over experts is split between the ranks' experts (and shared-expert channels)."""
@@ -378,6 +417,7 @@ class SparseMoE(_FusedProjections):
     # gate and up stay adjacent, in MLP order, so the shared expert's own fused weight is a view into this one
     _fused_names = ("gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
                     "shared_expert_gate.weight")
+    _hosting_names = ("gate.weight", "shared_expert_gate.weight")  # when the experts host the shared expert
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
@@ -387,13 +427,23 @@ class SparseMoE(_FusedProjections):
         self.shared_expert = MLP(cfg.hidden_size, tp.part(cfg.shared_expert_intermediate_size,
                                                           "shared_expert_intermediate_size"))
         self.shared_expert_gate = _linear(cfg.hidden_size, 1)
+        self.hosted = False
 
     def fuse(self):
+        self.hosted = self.experts.host(self.shared_expert)
+        self._fused_names = self._hosting_names if self.hosted else type(self)._fused_names
         super().fuse()
-        self.shared_expert.fuse()  # its gate | up: a view of the rows just stacked
+        self.shared_expert.fuse()  # its gate | up: a view of the rows just stacked (here or in the experts)
 
     def forward(self, x):
-        router_logits, shared_gate, shared_up, shared_logit = self.project(x)
+        if self.hosted:
+            router_logits, shared_logit = self.project(x)
+            if x.shape[0] <= SHARED_AS_EXPERT_MAX_ROWS:
+                weights, experts = route_logits(router_logits, self.top_k, self.renormalize, shared_logit)
+                return self.experts(x, weights, experts)
+            shared_gate, shared_up = self.shared_expert.project(x)
+        else:
+            router_logits, shared_gate, shared_up, shared_logit = self.project(x)
         weights, experts = route_logits(router_logits, self.top_k, self.renormalize)
         shared = self.shared_expert.swiglu_down(shared_gate, shared_up)
         # the gate is replicated, so gate * (partial shared sum) is this rank's part of the gated shared expert

@@ -6,7 +6,9 @@ Both start from `batch.state_slots[i]` and write the state after row j of reques
 `batch.state_write_slots[i, min(j, W-1)]`: with W = 1 that is the request's one slot; when verifying k drafts
 (W = k+1) each position's state is kept, so the next step starts from the last accepted one without recompute.
 - `gated_delta_rule`: per value head, `S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q`, with q, k
-  L2-normalised (eps 1e-6), q scaled by dk^-0.5 and key heads repeated over value heads. State in fp32.
+  L2-normalised (eps 1e-6), q scaled by dk^-0.5 and key heads repeated over value heads. State in fp32. The gates
+  come in as the layer's projections a, b with A_log and dt_bias (`Gates`): the recurrent kernel computes g and
+  beta itself, one launch fewer per layer.
 
 Each op has a torch reference (walks requests one by one on the host) and GPU paths behind one dispatch; CUDA
 tensors take the GPU paths:
@@ -29,11 +31,13 @@ share the null slot, whose contents are garbage anyway).
 """
 
 import itertools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from tandem.model.batch import ForwardBatch, to_device
+from tandem.ops.pointwise import gdn_gates, gdn_gates_torch
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
 try:  # optional GPU dependency (fla-core): the chunked prefill kernel
@@ -60,12 +64,22 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     return out if splits is None else tuple(p.contiguous() for p in out.split(splits, dim=-1))
 
 
-def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, batch: ForwardBatch, out=None) -> torch.Tensor:
-    """q, k: [T, nk, dk]; v: [T, nv, dv]; g, beta: [T, nv]; state: [slots, nv, dk, dv] -> o [T, nv, dv] (into
-    `out` when given)."""
+class Gates(NamedTuple):
+    """A GDN layer's gate inputs: its projections a, b [T, nv] (strided views are fine) and the per-head A_log,
+    dt_bias; `g = -exp(A_log) * softplus(a + dt_bias)` (fp32) and `beta = sigmoid(b)` (`tandem/ops/pointwise.py`),
+    computed inside the recurrent kernel."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+
+def gated_delta_rule(q, k, v, gates: Gates, state: torch.Tensor, batch: ForwardBatch, out=None) -> torch.Tensor:
+    """q, k: [T, nk, dk]; v: [T, nv, dv]; state: [slots, nv, dk, dv] -> o [T, nv, dv] (into `out` when given)."""
     if use_triton(v):
-        return gated_delta_rule_gpu(q, k, v, g, beta, state, batch, out=out)
-    o = _gated_delta_rule_torch(q, k, v, g, beta, state, batch)
+        return gated_delta_rule_gpu(q, k, v, gates, state, batch, out=out)
+    o = _gated_delta_rule_torch(q, k, v, *gdn_gates_torch(*gates), state, batch)
     return o if out is None else out.copy_(o)
 
 
@@ -125,6 +139,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from tandem.ops.pointwise import gdn_gate_values
+
     @triton.jit
     def _delta_step(s, qv, kv, vv, gt, bt):
         """One row of the delta rule on a state tile s [BK, BV] -> (the state after it, the row's output [BV])."""
@@ -138,19 +154,28 @@ if HAS_TRITON:
         """Row j of a [WP, N] tile whose row indices are r, as an [N] vector (a masked sum: no dynamic index)."""
         return tl.sum(tl.where((r == j)[:, None], tile, 0.0), axis=0)
 
+    @triton.jit
+    def _row_gates(a_ptr, b_ptr, t, a_st, b_st, h, a_log, dt_bias, live):
+        """fp32 (g, beta) of rows t (a vector or a scalar) of value head h; rows not `live` get 0 and 0, which
+        leave the state as it is."""
+        ga, gb = gdn_gate_values(tl.load(a_ptr + t * a_st + h, mask=live, other=0.0).to(tl.float32),
+                                 tl.load(b_ptr + t * b_st + h, mask=live, other=0.0).to(tl.float32), a_log, dt_bias)
+        gb = gb.to(b_ptr.dtype.element_ty).to(tl.float32)  # beta in b's dtype, as the reference keeps it
+        return tl.where(live, ga, 0.0), tl.where(live, gb, 0.0)
+
     @triton.jit(do_not_specialize=["max_rows", "ws_st"])
     def _gdn_recurrent_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
-        q_st, q_sh, k_st, k_sh, v_st, v_sh, g_st, b_st, o_st, o_sh, s_ss, s_sh, s_sk, ws_st,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
+        q_st, q_sh, k_st, k_sh, v_st, v_sh, a_st, b_st, o_st, o_sh, s_ss, s_sh, s_sk, ws_st,
         max_rows, scale, eps,
         REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         W: tl.constexpr, WP: tl.constexpr,
     ):
         """One program per (request, value head, dv block); requests with more than max_rows rows are skipped.
-        The first W rows (all of a decode or verify request's) are loaded at once, before the state, so their
-        loads overlap its load instead of each waiting for the row before; they run unrolled, a row past the
-        request's end changing nothing (its g, beta and k load as 0). Rows after them (short prefill chunks) run
-        one by one."""
+        The gates g and beta come from the projections a, b (`Gates`). The first W rows (all of a decode or
+        verify request's) are loaded at once, before the state, so their loads overlap its load instead of each
+        waiting for the row before; they run unrolled, a row past the request's end changing nothing (its g,
+        beta and k are 0). Rows after them (short prefill chunks) run one by one."""
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -159,6 +184,8 @@ if HAS_TRITON:
         n = tl.where(n > max_rows, 0, n)
         slot = tl.load(slots_ptr + i).to(tl.int64)
         kh = h // REP
+        a_log = tl.load(a_log_ptr + h).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         offs_k = tl.arange(0, BK)
         offs_v = vb * BV + tl.arange(0, BV)
         mk = offs_k < DK
@@ -174,8 +201,7 @@ if HAS_TRITON:
                      other=0.0).to(tl.float32)
         vw = tl.load(v_ptr + (rows * v_st + h * v_sh)[:, None] + offs_v[None, :], mask=live[:, None] & mv[None, :],
                      other=0.0).to(tl.float32)
-        gw = tl.load(g_ptr + rows * g_st + h, mask=live, other=0.0).to(tl.float32)
-        bw = tl.load(beta_ptr + rows * b_st + h, mask=live, other=0.0).to(tl.float32)
+        gw, bw = _row_gates(a_ptr, b_ptr, rows, a_st, b_st, h, a_log, dt_bias, live)
         qw = qw * (tl.rsqrt(tl.sum(qw * qw, axis=1) + eps) * scale)[:, None]
         kw = kw * tl.rsqrt(tl.sum(kw * kw, axis=1) + eps)[:, None]
         s = tl.load(state_ptr + slot * s_ss + h * s_sh + tile, mask=mtile, other=0.0).to(tl.float32)  # [BK, BV]
@@ -195,8 +221,8 @@ if HAS_TRITON:
             qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=0) + eps) * scale
             kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + eps)
             vv = tl.load(v_ptr + t * v_st + h * v_sh + offs_v, mask=mv, other=0.0).to(tl.float32)
-            s, ov = _delta_step(s, qv, kv, vv, tl.load(g_ptr + t * g_st + h).to(tl.float32),
-                                tl.load(beta_ptr + t * b_st + h).to(tl.float32))
+            gt, bt = _row_gates(a_ptr, b_ptr, t, a_st, b_st, h, a_log, dt_bias, True)
+            s, ov = _delta_step(s, qv, kv, vv, gt, bt)
             tl.store(o_ptr + t * o_st + h * o_sh + offs_v, ov.to(o_ptr.dtype.element_ty), mask=mv)
             if j == n - 1:  # the last row's state, to column W-1
                 last = tl.load(wslots_ptr + i * ws_st + W - 1).to(tl.int64)
@@ -282,15 +308,16 @@ def _lens(batch: ForwardBatch) -> list[int]:
     return [b - a for a, b in zip(qsl[:-1], qsl[1:])]
 
 
-def gated_delta_rule_triton(q, k, v, g, beta, state, batch: ForwardBatch, out=None, max_rows=None, block_v=None,
-                            num_warps=None):
+def gated_delta_rule_triton(q, k, v, gates: Gates, state, batch: ForwardBatch, out=None, max_rows=None,
+                            block_v=None, num_warps=None):
     """The recurrent kernel over every request with at most `max_rows` rows (all when None); the others' rows of
     `out` are left as they are. Returns out [T, nv, dv] in v's dtype. block_v, num_warps: the tiling (a benchmark's
     sweep; None: the default)."""
     T, nk, dk = q.shape
     nv, dv = v.shape[1], v.shape[2]
+    a, b = gates.a, gates.b
     assert nv % nk == 0 and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
-    assert state.stride(3) == 1 and g.stride(1) == 1 and beta.stride(1) == 1
+    assert state.stride(3) == 1 and a.stride(1) == 1 and b.stride(1) == 1
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     lens = _lens(batch)
@@ -305,8 +332,8 @@ def gated_delta_rule_triton(q, k, v, g, beta, state, batch: ForwardBatch, out=No
     wslots = batch.state_write_slots
     grid = (B, nv, triton.cdiv(dv, block_v))
     _gdn_recurrent_kernel[grid](
-        q, k, v, g, beta, state, out, batch.query_start_loc, batch.state_slots, wslots,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        q, k, v, a, b, gates.a_log, gates.dt_bias, state, out, batch.query_start_loc, batch.state_slots, wslots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), wslots.stride(0),
         max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6,
         REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W, WP=_pow2(W),
@@ -315,10 +342,11 @@ def gated_delta_rule_triton(q, k, v, g, beta, state, batch: ForwardBatch, out=No
     return out
 
 
-def gated_delta_rule_fla(q, k, v, g, beta, state, batch: ForwardBatch, requests: list[int], out=None):
+def gated_delta_rule_fla(q, k, v, gates: Gates, state, batch: ForwardBatch, requests: list[int], out=None):
     """fla's chunked kernel over `requests` (each longer than W rows): initial states gathered from their read
     slots, final states written to column W-1 of their write slots; fills their rows of `out`. Without `out`,
-    the requests must be all the batch's rows: fla's own output is returned (no copy)."""
+    the requests must be all the batch's rows: fla's own output is returned (no copy). The gates are computed by
+    their own launch here (prefill sizes: one launch more is nothing)."""
     qsl, W = batch.query_start_loc_cpu, batch.state_write_slots.shape[1]
     spans = [(qsl[i], qsl[i + 1]) for i in requests]
     assert all(b - a > W for a, b in spans)
@@ -336,8 +364,9 @@ def gated_delta_rule_fla(q, k, v, g, beta, state, batch: ForwardBatch, requests:
         batch.derived[key] = (cu_cpu, *to_device(v.device, torch.tensor(requests, dtype=torch.long), cu_cpu, chunks))
     cu_cpu, idx, cu_dev, chunk_indices = batch.derived[key]
     h0 = state[batch.state_slots[idx]].float()
+    g, beta = gdn_gates(rows(gates.a), rows(gates.b), gates.a_log, gates.dt_bias)
     o, ht = _fla_chunk_gated_delta_rule(
-        rows(q)[None], rows(k)[None], rows(v)[None], rows(g)[None].float(), rows(beta)[None],
+        rows(q)[None], rows(k)[None], rows(v)[None], g[None], beta[None],
         scale=q.shape[2] ** -0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK,
     )
@@ -354,21 +383,21 @@ def gated_delta_rule_fla(q, k, v, g, beta, state, batch: ForwardBatch, requests:
     return out
 
 
-def gated_delta_rule_gpu(q, k, v, g, beta, state, batch: ForwardBatch, out=None):
+def gated_delta_rule_gpu(q, k, v, gates: Gates, state, batch: ForwardBatch, out=None):
     """Recurrent kernel for requests of at most FLA_MIN_ROWS rows, fla's chunked kernel for longer ones (or the
     recurrent kernel for all when fla is missing)."""
     lens = _lens(batch)
     long = [i for i, n in enumerate(lens) if n > FLA_MIN_ROWS] if HAS_FLA else []
     assert FLA_MIN_ROWS >= batch.state_write_slots.shape[1]
     if not long:
-        return gated_delta_rule_triton(q, k, v, g, beta, state, batch, out=out)
+        return gated_delta_rule_triton(q, k, v, gates, state, batch, out=out)
     if out is None and len(long) == len(lens):  # a prefill of long prompts only: fla's output as it is
-        return gated_delta_rule_fla(q, k, v, g, beta, state, batch, long)
+        return gated_delta_rule_fla(q, k, v, gates, state, batch, long)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if len(long) < len(lens):
-        gated_delta_rule_triton(q, k, v, g, beta, state, batch, out=out, max_rows=FLA_MIN_ROWS)
-    return gated_delta_rule_fla(q, k, v, g, beta, state, batch, long, out)
+        gated_delta_rule_triton(q, k, v, gates, state, batch, out=out, max_rows=FLA_MIN_ROWS)
+    return gated_delta_rule_fla(q, k, v, gates, state, batch, long, out)
 
 
 def _planar(out: torch.Tensor, T: int, splits) -> torch.Tensor | tuple[torch.Tensor, ...]:

@@ -48,9 +48,10 @@ if HAS_TRITON:
     from tandem.ops.fp8 import FUSE_QUANT_MAX_ROWS, group_dot, quantize_activations_triton, quantize_rows
 
     @triton.jit
-    def _route_kernel(logits_ptr, w_out_ptr, e_out_ptr, E, stride_t, TOP_K: tl.constexpr, K_P2: tl.constexpr,
-                      E_P2: tl.constexpr, RENORM: tl.constexpr):
-        """One token: fp32 softmax over E logits, top-k by k rounds of arg-max (lowest index on ties), renorm."""
+    def _route_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, E, stride_t, stride_s, TOP_K: tl.constexpr,
+                      K_P2: tl.constexpr, E_P2: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr):
+        """One token: fp32 softmax over E logits, top-k by k rounds of arg-max (lowest index on ties), renorm.
+        SHARED: one more pair, expert E with weight sigmoid(shared logit)."""
         t = tl.program_id(0).to(tl.int64)
         ex = tl.arange(0, E_P2)
         valid = ex < E
@@ -70,8 +71,12 @@ if HAS_TRITON:
             rest = tl.where(ex == idx, -2.0, rest)
         if RENORM:
             top_w = top_w / tl.sum(top_w, axis=0)
-        tl.store(w_out_ptr + t * TOP_K + ks, top_w.to(w_out_ptr.dtype.element_ty), mask=ks < TOP_K)
-        tl.store(e_out_ptr + t * TOP_K + ks, top_e, mask=ks < TOP_K)
+        width: tl.constexpr = TOP_K + SHARED
+        if SHARED:
+            top_w = tl.where(ks == TOP_K, tl.sigmoid(tl.load(shared_ptr + t * stride_s).to(tl.float32)), top_w)
+            top_e = tl.where(ks == TOP_K, E, top_e)
+        tl.store(w_out_ptr + t * width + ks, top_w.to(w_out_ptr.dtype.element_ty), mask=ks < width)
+        tl.store(e_out_ptr + t * width + ks, top_e, mask=ks < width)
 
     @triton.jit(do_not_specialize=["N"])
     def _moe_count_kernel(experts_ptr, counts_ptr, N, E_P2: tl.constexpr, CHUNK: tl.constexpr):
@@ -289,12 +294,14 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize:
     return route_logits(F.linear(x, router_weight), top_k, renormalize)
 
 
-def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool):
+def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool, shared_logit: torch.Tensor | None = None):
     """Router logits [T, E] -> (weights [T, top_k] in the logits' dtype, experts int64): fp32 softmax, top-k,
-    optional renormalisation. (The model's router GEMM is fused with the shared expert's, so it passes logits.)"""
+    optional renormalisation. (The model's router GEMM is fused with the shared expert's, so it passes logits.)
+    With `shared_logit` [T, 1]: one more pair per token, expert E (the shared expert, see `Experts.host`) with
+    weight sigmoid(shared_logit), so both are [T, top_k + 1]."""
     if use_triton(logits):
-        return route_logits_triton(logits, top_k, renormalize)
-    return route_logits_torch(logits, top_k, renormalize)
+        return route_logits_triton(logits, top_k, renormalize, shared_logit)
+    return route_logits_torch(logits, top_k, renormalize, shared_logit)
 
 
 def fused_experts(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None,
@@ -317,11 +324,15 @@ def route_torch(x, router_weight, top_k, renormalize):
     return route_logits_torch(F.linear(x, router_weight), top_k, renormalize)
 
 
-def route_logits_torch(logits, top_k, renormalize):
+def route_logits_torch(logits, top_k, renormalize, shared_logit=None):
     weights, experts = logits.softmax(dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(logits.dtype), experts
+    weights = weights.to(logits.dtype)
+    if shared_logit is None:
+        return weights, experts
+    shared = torch.full_like(experts[:, :1], logits.shape[1])
+    return torch.cat([weights, torch.sigmoid(shared_logit.float()).to(logits.dtype)], 1), torch.cat([experts, shared], 1)
 
 
 def _expert_linear(x, w, scale, block):
@@ -352,17 +363,19 @@ def _fused_experts_torch(x, gate_up, down, weights, experts, gate_up_scale=None,
 
 # ---------------------------------------------------------------------------------------------------- triton
 
-def route_logits_triton(logits, top_k, renormalize):
+def route_logits_triton(logits, top_k, renormalize, shared_logit=None):
     T, E = logits.shape
-    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
-    experts = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    width = top_k + (shared_logit is not None)
+    weights = torch.empty(T, width, dtype=logits.dtype, device=logits.device)
+    experts = torch.empty(T, width, dtype=torch.int64, device=logits.device)
     if T:
         if logits.stride(1) != 1:
             logits = logits.contiguous()
+        shared = logits if shared_logit is None else shared_logit
         # the router's columns of the fused MoE projection are read in place (row stride of the fused output)
-        _route_kernel[(T,)](logits, weights, experts, E, logits.stride(0), TOP_K=top_k,
-                            K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(E),
-                            RENORM=renormalize, num_warps=1 if E <= 1024 else 4)
+        _route_kernel[(T,)](logits, shared, weights, experts, E, logits.stride(0), shared.stride(0), TOP_K=top_k,
+                            K_P2=triton.next_power_of_2(width), E_P2=triton.next_power_of_2(E),
+                            RENORM=renormalize, SHARED=shared_logit is not None, num_warps=1 if E <= 1024 else 4)
     return weights, experts
 
 

@@ -46,6 +46,19 @@ if HAS_TRITON:
         tl.store(out_ptr + row * n_cols + cols, (x * sig).to(dt), mask=ok)
 
     @triton.jit
+    def gdn_gate_values(a, b, a_log, dt_bias):
+        """fp32 (g, sigmoid(b)) from fp32 a, b and the head's A_log, dt_bias; the caller rounds beta to b's dtype,
+        as the reference does. Also used inside the GDN recurrent kernel (`tandem/ops/gdn.py`)."""
+        x = a + dt_bias
+        # softplus = log1p(exp(x)), linear past torch's threshold 20; log1p by Kahan's trick (log(1 + y) alone
+        # loses the small g of a slowly decaying head)
+        y = tl.exp(tl.minimum(x, 20.0))
+        u = 1.0 + y
+        log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
+        softplus = tl.where(x > 20.0, x, log1p)
+        return -tl.exp(a_log) * softplus, tl.sigmoid(b)
+
+    @triton.jit
     def _gdn_gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, n_heads, stride_a, stride_b,
                           BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -53,16 +66,10 @@ if HAS_TRITON:
         ok = h < n_heads
         a = tl.load(a_ptr + row * stride_a + h, mask=ok, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + row * stride_b + h, mask=ok, other=0.0).to(tl.float32)
-        a_log = tl.load(a_log_ptr + h, mask=ok, other=0.0).to(tl.float32)
-        x = a + tl.load(dt_bias_ptr + h, mask=ok, other=0.0).to(tl.float32)
-        # softplus = log1p(exp(x)), linear past torch's threshold 20; log1p by Kahan's trick (log(1 + y) alone
-        # loses the small g of a slowly decaying head)
-        y = tl.exp(tl.minimum(x, 20.0))
-        u = 1.0 + y
-        log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
-        softplus = tl.where(x > 20.0, x, log1p)
-        tl.store(g_ptr + row * n_heads + h, -tl.exp(a_log) * softplus, mask=ok)
-        tl.store(beta_ptr + row * n_heads + h, tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=ok)
+        g, beta = gdn_gate_values(a, b, tl.load(a_log_ptr + h, mask=ok, other=0.0).to(tl.float32),
+                                  tl.load(dt_bias_ptr + h, mask=ok, other=0.0).to(tl.float32))
+        tl.store(g_ptr + row * n_heads + h, g, mask=ok)
+        tl.store(beta_ptr + row * n_heads + h, beta.to(beta_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _gated_sum_kernel(parts_ptr, shared_ptr, logit_ptr, out_ptr, H, stride_shared, stride_logit,
