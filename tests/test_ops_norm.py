@@ -27,9 +27,13 @@ def check(device, dtype, tol):
     for x, z, w in cases(device, dtype):
         for impl in (norm.rms_norm_1p_triton, norm.rms_norm_1p_torch):
             assert (impl(x, w, 1e-6).double() - fp64_rms_norm_1p(x, w, 1e-6)).abs().max() <= tol
+        parts = torch.stack([z, x * 0.5, z * w], 1)  # a MoE block's per-expert outputs [T, 3, H]
         for impl in (norm.add_rms_norm_1p_triton, norm.add_rms_norm_1p_torch):  # z as the residual delta
             total, normed = impl(x, z, w, 1e-6)
             assert torch.equal(total, x + z)  # rounded once to the dtype, as the unfused add
+            assert (normed.double() - fp64_rms_norm_1p(total, w, 1e-6)).abs().max() <= tol
+            total, normed = impl(x, parts, w, 1e-6)  # the parts summed first, rounded once, as sum(1)
+            assert torch.equal(total, x + parts.sum(1))
             assert (normed.double() - fp64_rms_norm_1p(total, w, 1e-6)).abs().max() <= tol
         for impl in (norm.gated_rms_norm_triton, norm.gated_rms_norm_torch):
             assert (impl(x, z, w, 1e-6).double() - fp64_gated(x, z, w, 1e-6)).abs().max() <= tol

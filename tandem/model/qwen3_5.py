@@ -380,12 +380,13 @@ class Experts(nn.Module):
     def forward(self, x, weights, experts, shared=None, shared_logit=None):
         """Sum of `weight * expert(x)` over the (token, expert) pairs routed to this rank's experts, plus the
         gated shared expert `sigmoid(shared_logit) * shared` (added in the same pass on one rank). Without
-        `shared`, the shared expert is expert E among `experts` (`host`)."""
+        `shared`, the shared expert is expert E among `experts` (`host`), and the kernel path leaves the sum to
+        the next residual add: it returns the per-pair outputs [T, top_k + 1, H] (see `add_rms_norm_1p`)."""
         local = self.gate_up_proj.shape[0]
         fp8 = dict(gate_up_scale=self.gate_up_proj_scale_inv, down_scale=self.down_proj_scale_inv, block=self.block)
         if shared is None:
             gate_up, down, fp8["gate_up_scale"], fp8["down_scale"] = self._with_shared
-            return fused_experts(x, gate_up, down, weights, experts, **fp8)
+            return fused_experts(x, gate_up, down, weights, experts, **fp8, summed=False)
         if local == self.num_experts:
             return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **fp8, shared=shared,
                                  shared_logit=shared_logit)
@@ -436,6 +437,8 @@ class SparseMoE(_FusedProjections):
         self.shared_expert.fuse()  # its gate | up: a view of the rows just stacked (here or in the experts)
 
     def forward(self, x):
+        """-> [T, H], or on the kernel path with the shared expert routed the per-pair outputs [T, top_k + 1, H]
+        that the next residual add sums (`add_rms_norm_1p`)."""
         if self.hosted:
             router_logits, shared_logit = self.project(x)
             if x.shape[0] <= SHARED_AS_EXPERT_MAX_ROWS:
@@ -469,8 +472,9 @@ class DecoderLayer(nn.Module):
         return run_cores(self.steps(h, delta, batch, inv_freq, cache), batch)
 
     def steps(self, h, delta, batch: ForwardBatch, inv_freq, cache):
-        """The residual stream is `h + delta` (delta: the previous block's output, not yet added; None before the
-        first block); returns the same pair after this layer, so each add runs in the pass of the next norm."""
+        """The residual stream is `h + delta` (delta: the previous block's output, not yet added, possibly as
+        parts [T, P, H] to sum; None before the first block); returns the same pair after this layer, so each add
+        runs in the pass of the next norm."""
         h, x = (h, self.input_layernorm(h)) if delta is None else self.input_layernorm.residual(h, delta)
         if self.is_attention:
             mixed = yield from self.self_attn.steps(x, batch, inv_freq, *cache)

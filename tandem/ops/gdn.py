@@ -364,9 +364,9 @@ def gated_delta_rule_fla(q, k, v, gates: Gates, state, batch: ForwardBatch, requ
         batch.derived[key] = (cu_cpu, *to_device(v.device, torch.tensor(requests, dtype=torch.long), cu_cpu, chunks))
     cu_cpu, idx, cu_dev, chunk_indices = batch.derived[key]
     h0 = state[batch.state_slots[idx]].float()
-    g, beta = gdn_gates(rows(gates.a), rows(gates.b), gates.a_log, gates.dt_bias)
+    g, beta = gdn_gates(*gates)  # over every row: the same strides (and kernel variant) whatever the split
     o, ht = _fla_chunk_gated_delta_rule(
-        rows(q)[None], rows(k)[None], rows(v)[None], g[None], beta[None],
+        rows(q)[None], rows(k)[None], rows(v)[None], rows(g)[None], rows(beta)[None],
         scale=q.shape[2] ** -0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK,
     )

@@ -305,15 +305,17 @@ def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool, shared_log
 
 
 def fused_experts(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None,
-                  block=None, shared=None, shared_logit=None) -> torch.Tensor:
+                  block=None, shared=None, shared_logit=None, summed=True) -> torch.Tensor:
     """x: [T, H]; weights, experts: [T, top_k] -> [T, H]. FP8 experts: e4m3 `gate_up` / `down` with their
     scales and block (see `Experts`); activations are quantised per token and group of block[1] channels.
     `shared` [T, H] and `shared_logit` [T, 1]: plus the gated shared expert, sigmoid(shared_logit) * shared
-    (the kernel path adds it in the pass that sums the experts' outputs)."""
+    (the kernel path adds it in the pass that sums the experts' outputs). `summed=False` (no `shared`): the
+    kernel path may return the weighted per-pair outputs [T, top_k, H] unsummed, for the next residual add to
+    sum (`add_rms_norm_1p` takes them): one launch fewer."""
     fp8 = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, block=block)
     if use_triton(x):
         return fused_experts_triton(x, gate_up, down, weights, experts, **fp8, shared=shared,
-                                    shared_logit=shared_logit)
+                                    shared_logit=shared_logit, summed=summed)
     out = _fused_experts_torch(x, gate_up, down, weights, experts, **fp8)
     return out if shared is None else out + torch.sigmoid(shared_logit) * shared
 
@@ -454,7 +456,7 @@ def _configs(n_pairs: int, num_experts: int):
 
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
-                         shared=None, shared_logit=None, block_m=None, gate_up_cfg=None, down_cfg=None,
+                         shared=None, shared_logit=None, summed=True, block_m=None, gate_up_cfg=None, down_cfg=None,
                          align_kernel=True, buf=None, dot=1, fuse_quant=None):
     """The Triton path (see the module docstring). The keyword arguments after the shared expert's override
     tiling, the align method and whether the GEMMs quantise their inputs themselves, and give the [T*top_k, H]
@@ -503,4 +505,4 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
         return gated_sum(buf.view(T, top_k, H), shared, shared_logit)
     if top_k == 1:
         return buf.view(T, H)
-    return buf.view(T, top_k, H).sum(1)
+    return buf.view(T, top_k, H).sum(1) if summed else buf.view(T, top_k, H)

@@ -2,7 +2,8 @@
 
 - `rms_norm_1p`: zero-centred weight, `x * rsqrt(mean(x^2) + eps) * (1 + w)`, computed in fp32.
 - `add_rms_norm_1p`: the residual add before it, `h = h + delta` (rounded to the model dtype), and the norm of that
-  h, in one pass.
+  h, in one pass; `delta` may also come as parts [T, P, H] (a MoE block's per-expert outputs, `fused_experts`
+  with `summed=False`), summed in order in fp32 and rounded once, as `sum(1)` would, in the same pass.
 - `gated_rms_norm`: the GDN output norm, plain weight, applied per value head before the gate:
   `w * rms(o) * silu(z)`.
 """
@@ -27,12 +28,17 @@ if HAS_TRITON:
         tl.store(out_ptr + row * n_cols + cols, (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _add_rms_norm_1p_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    def _add_rms_norm_1p_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr,
+                                PARTS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        d = tl.load(d_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        d = tl.zeros([BLOCK], tl.float32)
+        for p in tl.static_range(PARTS):
+            d += tl.load(d_ptr + (row * PARTS + p) * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        if PARTS > 1:  # the parts' sum in the model dtype, as delta.sum(1) gives it
+            d = d.to(sum_ptr.dtype.element_ty).to(tl.float32)
         x = (h + d).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
         x = x.to(tl.float32)
@@ -64,7 +70,7 @@ def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 def add_rms_norm_1p(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """-> (h + delta, rms_norm_1p(h + delta))."""
+    """h [T, H], delta [T, H] or parts [T, P, H] -> (h + delta, rms_norm_1p(h + delta)) (parts: h + delta.sum(1))."""
     if use_triton(h):
         return add_rms_norm_1p_triton(h, delta, weight, eps)
     return add_rms_norm_1p_torch(h, delta, weight, eps)
@@ -81,7 +87,7 @@ def rms_norm_1p_torch(x, weight, eps):
 
 
 def add_rms_norm_1p_torch(h, delta, weight, eps):
-    h = h + delta
+    h = h + (delta if delta.dim() == h.dim() else delta.sum(-2))
     return h, rms_norm_1p_torch(h, weight, eps)
 
 
@@ -119,6 +125,7 @@ def gated_rms_norm_triton(x, z, weight, eps):
 def add_rms_norm_1p_triton(h, delta, weight, eps):
     h2, out, block = _rows(h)
     total = torch.empty_like(h2)
-    _add_rms_norm_1p_kernel[(h2.shape[0],)](h2, delta.reshape(h2.shape).contiguous(), weight, total, out,
-                                            h2.shape[1], eps, BLOCK=block)
+    parts = 1 if delta.dim() == h.dim() else delta.shape[-2]
+    _add_rms_norm_1p_kernel[(h2.shape[0],)](h2, delta.contiguous(), weight, total, out, h2.shape[1], eps,
+                                            BLOCK=block, PARTS=parts)
     return total.view(h.shape), out.view(h.shape)
