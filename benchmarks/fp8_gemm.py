@@ -4,10 +4,9 @@ bf16 GEMM of the same shape; with the error of each variant against the fp64 ora
 
     python3 benchmarks/fp8_gemm.py [--rows 1,32,96,2048] [--sweep]
 
-Variants: the dispatch's choice (`w8a8_linear`, `fused_experts`); the other activation quantisation ("other q":
-by a launch of its own where the dispatch quantises inside the GEMM, up to FUSE_QUANT_MAX_ROWS rows, and the
-reverse above); with --sweep, other tiles and K splits for the dense GEMMs and, for the experts, `group_dot`'s
-DOT 0 (e4m3 with Hopper's fast accumulation) and 2 (bf16 upcast) against the default 1. Floor = bytes the call
+Variants: the dispatch's choice (`w8a8_linear`, `fused_experts`) and, with --sweep, other tiles and K splits
+for the dense GEMMs and, for the experts, `group_dot`'s DOT 0 (e4m3 with Hopper's fast accumulation) and 2 (bf16
+upcast) against the default 1. Floor = bytes the call
 must move (e4m3 weight and scales, activations in and out) at --bandwidth-gbs. The experts are the 35B-A3B's with
 its shared expert hosted as expert E (`Experts.host`), each token routed to it too, as at decode sizes.
 """
@@ -76,8 +75,7 @@ def oracle_err(out, x, q, s):
 
 def dense(rows, sweep, bw):
     print(f"\ndense W8A8 (blocks {BLOCK}); us per call; floor at {bw:.0f} GB/s; err = max |out - exact| / (|x| @ |w|)")
-    print(f"{'gemm':<18} {'M':>5} {'fp8 us':>8} {'floor':>7} {'ratio':>6} {'err':>8} {'other q':>8} {'bf16 us':>8}  "
-          "best of sweep")
+    print(f"{'gemm':<18} {'M':>5} {'fp8 us':>8} {'floor':>7} {'ratio':>6} {'err':>8} {'bf16 us':>8}  best of sweep")
     step_us = {m: [0.0, 0.0, 0.0] for m in rows}
     for name, N, K, per_step in DENSE:
         w = torch.randn(N, K, device="cuda") / K**0.5
@@ -92,9 +90,6 @@ def dense(rows, sweep, bw):
             out = fp8.w8a8_linear(x, q, s, BLOCK)
             err = oracle_err(out, x, q, s)
             t = graph_time_us([lambda i=i: fp8.w8a8_linear(x, qs[i], ss[i], BLOCK) for i in range(r)])
-            other = m > fp8.FUSE_QUANT_MAX_ROWS
-            tq = graph_time_us([lambda i=i: fp8.w8a8_linear_triton(x, qs[i], ss[i], BLOCK, fuse_quant=other)
-                                for i in range(r)])
             tb = graph_time_us([lambda i=i: torch.nn.functional.linear(x, wb[i]) for i in range(len(wb))])
             best = ""
             if sweep and m <= 32 and name in SWEEP:
@@ -107,8 +102,7 @@ def dense(rows, sweep, bw):
                         results.append((graph_time_us([lambda i=i: f(i) for i in range(r)]), tiles, dot, e))
                 results.sort(key=lambda z: z[0])
                 best = "  ".join(f"{u:.1f}us {t} dot{d} err {e:.1e}" for u, t, d, e in results[:3])
-            print(f"{name:<18} {m:>5} {t:>8.1f} {floor:>7.1f} {t / floor:>6.1f} {err:>8.1e} {tq:>8.1f} {tb:>8.1f}  "
-                  f"{best}")
+            print(f"{name:<18} {m:>5} {t:>8.1f} {floor:>7.1f} {t / floor:>6.1f} {err:>8.1e} {tb:>8.1f}  {best}")
             step_us[m][0] += per_step * t
             step_us[m][1] += per_step * floor
             step_us[m][2] += per_step * tb
@@ -145,9 +139,6 @@ def experts(tokens, sweep, bw):
         touched = moe_touched(t) + 1  # the shared expert
         floor = touched * 3 * I * H * (1 + 4 / 128**2) / (bw * 1e9) * 1e6
         tf, tb = graph_time_us(fns), graph_time_us(fns_b)
-        other = t > fp8.FUSE_QUANT_MAX_ROWS
-        variants["other q"] = graph_time_us(
-            [lambda w=w, e=e: moe.fused_experts_triton(x, qgu, qd, w, e, fuse_quant=other, **kw) for w, e in routes])
         if sweep:
             for dot in (0, 2):
                 variants[f"dot{dot}"] = graph_time_us(

@@ -122,13 +122,10 @@ if HAS_TRITON:
         tl.store(s_ptr + r * KB + g, sc, mask=g < KB)
 
     @triton.jit(do_not_specialize=["M"])
-    def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, stride_x, N: tl.constexpr,
+    def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N: tl.constexpr,
                      K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                     QUANTIZE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):
         """out[M, N] = xq[M, K] @ w[N, K]^T, a K step per activation group, each rescaled by its two scales.
-        QUANTIZE: xq_ptr is the unquantised x (row stride `stride_x`), each group quantised in registers as it
-        is loaded (`quantize_rows`: the values and scales of `_quantize_groups_kernel`, so the same result).
         SPLIT > 1: program (m, n, s) takes groups [s * KB_PER_SPLIT, (s + 1) * KB_PER_SPLIT), stores its fp32
         partial in part[s] and counts itself in its tile's counter; the last of the tile's SPLIT programs to
         arrive adds the partials in split order (deterministic) and resets the counter for the next launch."""
@@ -141,7 +138,7 @@ if HAS_TRITON:
         m_ok, n_ok = m < M, n < N
         KB: tl.constexpr = (K + GROUP_K - 1) // GROUP_K
         kb0 = pid_s * KB_PER_SPLIT
-        x_ptrs = xq_ptr + m[:, None].to(tl.int64) * (stride_x if QUANTIZE else K) + kb0 * GROUP_K + k[None, :]
+        x_ptrs = xq_ptr + m[:, None].to(tl.int64) * K + kb0 * GROUP_K + k[None, :]
         w_ptrs = w_ptr + n[None, :].to(tl.int64) * K + kb0 * GROUP_K + k[:, None]  # [GROUP_K, BLOCK_N]
         xs_ptrs = xs_ptr + m.to(tl.int64) * KB + kb0
         ws_ptrs = ws_ptr + (n // GROUP_N) * KB + kb0
@@ -151,10 +148,7 @@ if HAS_TRITON:
             k_ok = (kb * GROUP_K + k < K) & (kb < KB)
             a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if QUANTIZE:
-                a, xs = quantize_rows(a.to(tl.float32))
-            else:
-                xs = tl.load(xs_ptrs + i, mask=m_ok & (kb < KB), other=0.0)
+            xs = tl.load(xs_ptrs + i, mask=m_ok & (kb < KB), other=0.0)
             ws = tl.load(ws_ptrs + i, mask=n_ok & (kb < KB), other=0.0)
             acc += group_dot(a, w, xs, ws, DOT)
             x_ptrs += GROUP_K
@@ -252,16 +246,11 @@ def _gemm_tiles(M: int, N: int, KB: int, sms: int) -> tuple[int, int, int, int, 
     return bm, bn, min(split, KB), 4, 4
 
 
-# Up to this many rows the GEMM quantises x itself, group by group as it loads it: one launch instead of two, and
-# no e4m3 copy of x written and read back. Each program quantises its rows' groups again, which is cheap beside
-# the weight it streams at decode sizes; prefill GEMMs take x quantised once by its own launch.
-FUSE_QUANT_MAX_ROWS = 256
-
-
-def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=1, fuse_quant=None):
-    """The kernel path: x quantised inside the GEMM (up to FUSE_QUANT_MAX_ROWS rows) or by a launch of its own,
-    then the GEMM (split over K when `tiles` or the choice says so). `tiles` = (BLOCK_M, BLOCK_N, K splits, warps,
-    stages) and `fuse_quant` override the choices (tests)."""
+def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=1):
+    """The kernel path: x quantised by one launch of its own, then the GEMM (split over K when `tiles` or the
+    choice says so). `tiles` = (BLOCK_M, BLOCK_N, K splits, warps, stages) overrides the choice (tests). (Each
+    GEMM program quantising its own rows' groups instead, with the quantiser's IEEE divisions, was 3-5x slower at
+    decode (`afc28a4`), and again since (`7d0cd0d`, undone): every N tile redoes them.)"""
     N, K = w.shape
     if x.shape[-1] != K or tuple(scale_inv.shape) != scale_shape(w.shape, block):
         raise ValueError(f"w8a8_linear: x {tuple(x.shape)}, w {tuple(w.shape)}, scale_inv "
@@ -274,16 +263,12 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=1, fuse_quant=
     bm, bn, split, warps, stages = tiles or _gemm_tiles(M, N, kb, _sm_count(x.device))
     per_split = cdiv(kb, split)
     split = cdiv(kb, per_split)
-    fuse = M <= FUSE_QUANT_MAX_ROWS if fuse_quant is None else fuse_quant
-    if fuse:
-        xq = xs = x2 if x2.stride(1) == 1 else x2.contiguous()
-    else:
-        xq, xs = quantize_activations_triton(x2, block[1])
+    xq, xs = quantize_activations_triton(x2, block[1])
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     part, counts = (torch.empty(split, M, N, dtype=torch.float32, device=x.device),
                     _tile_counters(x.device, grid[0] * grid[1])) if split > 1 else (out, out)
-    _w8a8_kernel[grid](xq, xs, w, scale_inv, out, part, counts, M, xq.stride(0), N=N, K=K, GROUP_N=block[0],
-                       GROUP_K=block[1], BLOCK_M=bm, BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot,
-                       QUANTIZE=fuse, num_warps=warps, num_stages=stages)
+    _w8a8_kernel[grid](xq, xs, w, scale_inv, out, part, counts, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1],
+                       BLOCK_M=bm, BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot, num_warps=warps,
+                       num_stages=stages)
     return out.view(*x.shape[:-1], N)

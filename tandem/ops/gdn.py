@@ -353,9 +353,10 @@ def gated_delta_rule_fla(q, k, v, gates: Gates, state, batch: ForwardBatch, requ
     contiguous = all(spans[r][1] == spans[r + 1][0] for r in range(len(spans) - 1))
 
     def rows(x):
-        if contiguous:
-            return x[spans[0][0] : spans[-1][1]]
-        return torch.cat([x[a:b] for a, b in spans])
+        r = x[spans[0][0] : spans[-1][1]] if contiguous else torch.cat([x[a:b] for a, b in spans])
+        # fla's kernels are specialised on 16-byte aligned pointers: a view that starts off that (the bf16 beta of
+        # a model with few value heads, after an odd number of decode rows) would compile a variant mid-serving
+        return r if r.data_ptr() % 16 == 0 else r.clone()
 
     key = ("fla", tuple(requests))
     if key not in batch.derived:  # once per step, not per layer: the same tensors also hit fla's own caches

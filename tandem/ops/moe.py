@@ -45,7 +45,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from tandem.ops.fp8 import FUSE_QUANT_MAX_ROWS, group_dot, quantize_activations_triton, quantize_rows
+    from tandem.ops.fp8 import group_dot, quantize_activations_triton
 
     @triton.jit
     def _route_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, E, stride_t, stride_s, TOP_K: tl.constexpr,
@@ -186,12 +186,10 @@ if HAS_TRITON:
     def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr, N_PAIRS,
                             stride_x, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr,
-                            QUANTIZE: tl.constexpr):
+                            PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr):
         """FP8: x is e4m3 with scales xs [T, KB] (quantised per token and group), w e4m3 with scales
         ws [E, 2 * IB, KB] (gate rows' scale rows, then up rows'); BLOCK_K is the group, so each K step rescales
-        its products once. QUANTIZE: x is unquantised and each group is quantised as it is loaded (the same values
-        and scales as the quantiser's)."""
+        its products once."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -222,10 +220,7 @@ if HAS_TRITON:
                 wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
-                if QUANTIZE:
-                    a, s = quantize_rows(a.to(tl.float32))
-                else:
-                    s = tl.load(xs_ptrs + kb, mask=valid, other=0.0)
+                s = tl.load(xs_ptrs + kb, mask=valid, other=0.0)
                 sg = tl.load(gs_ptrs + kb, mask=n_ok, other=0.0)
                 su = tl.load(us_ptrs + kb, mask=n_ok, other=0.0)
                 acc_g += group_dot(a, wg, s, sg, DOT)
@@ -244,10 +239,9 @@ if HAS_TRITON:
     def _moe_down_kernel(inter_ptr, is_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr,
                          N_PAIRS, H: tl.constexpr, I: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr,
-                         QUANTIZE: tl.constexpr):
+                         PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr):
         """FP8: `inter` is e4m3 with scales is [P_max, KB] (per row and group), w e4m3 with scales
-        ws [E, HB, KB]. QUANTIZE: `inter` is unquantised and quantised here as it is loaded."""
+        ws [E, HB, KB]."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -272,10 +266,7 @@ if HAS_TRITON:
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
-                if QUANTIZE:
-                    a, s = quantize_rows(a.to(tl.float32))
-                else:
-                    s = tl.load(is_ptrs + kb)
+                s = tl.load(is_ptrs + kb)
                 sw = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
                 acc += group_dot(a, w, s, sw, DOT)
             else:
@@ -457,11 +448,9 @@ def _configs(n_pairs: int, num_experts: int):
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
                          shared=None, shared_logit=None, summed=True, block_m=None, gate_up_cfg=None, down_cfg=None,
-                         align_kernel=True, buf=None, dot=1, fuse_quant=None):
-    """The Triton path (see the module docstring). The keyword arguments after the shared expert's override
-    tiling, the align method and whether the GEMMs quantise their inputs themselves, and give the [T*top_k, H]
-    per-pair buffer (tests). FP8: BLOCK_K is the activation group; up to FUSE_QUANT_MAX_ROWS tokens (decode) the
-    GEMMs quantise x and `inter` as they load them, else each is quantised once by its own launch."""
+                         align_kernel=True, buf=None, dot=1):
+    """The Triton path (see the module docstring). The keyword arguments after `summed` override tiling and the
+    align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     inter_size = two_i // 2
@@ -479,28 +468,24 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     fp8 = block is not None
     group_n = block[0] if fp8 else 1
-    # FP8: activations are quantised once per token (x) and per pair (SiLU(gate) * up, rows up to `total`), by
-    # launches of their own or (few tokens) inside the GEMMs
-    quantize = fp8 and (T <= FUSE_QUANT_MAX_ROWS if fuse_quant is None else fuse_quant)
-    xq, xs = quantize_activations_triton(x, block[1]) if fp8 and not quantize else (x, x)
+    # FP8: activations are quantised once per token (x) and per pair (SiLU(gate) * up, rows up to `total`), each
+    # by a launch of its own (inside the GEMMs every N tile would redo the quantiser's divisions)
+    xq, xs = quantize_activations_triton(x, block[1]) if fp8 else (x, x)
     inter = torch.empty(sorted_ids.shape[0], inter_size, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = gu
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, bn))](
         xq, xs, gate_up, gate_up_scale if fp8 else gate_up, inter, sorted_ids, block_expert, total, n_pairs,
         xq.stride(0),
         TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
-        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, QUANTIZE=quantize, num_warps=warps,
-        num_stages=stages)
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, num_warps=warps, num_stages=stages)
     if buf is None:
         buf = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
-    inter_q, inter_s = (quantize_activations_triton(inter, block[1], rows=total) if fp8 and not quantize
-                        else (inter, inter))
+    inter_q, inter_s = quantize_activations_triton(inter, block[1], rows=total) if fp8 else (inter, inter)
     bn, bk, warps, stages = dn
     _moe_down_kernel[(num_blocks, triton.cdiv(H, bn))](
         inter_q, inter_s, down, down_scale if fp8 else down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
         H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
-        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, QUANTIZE=quantize, num_warps=warps,
-        num_stages=stages)
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, num_warps=warps, num_stages=stages)
     if shared is not None:
         return gated_sum(buf.view(T, top_k, H), shared, shared_logit)
     if top_k == 1:
