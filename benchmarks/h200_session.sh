@@ -2,7 +2,7 @@
 # One GPU session's measurements in one command: the GPU tests, the step benchmark (with the HF peer) and the
 # serving benchmarks, each writing its full output under $OUT (default ./h200-out) and printing a short summary.
 #
-#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [serve] [pd]
+#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [fp8] [serve] [pd]
 #     (no argument: tests step serve pd)
 #     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; STEP: step.py's arguments;
 #     OPS_ROWS: prefill_ops.py --rows;
@@ -32,6 +32,12 @@ KS=${KS:-0 2}                          # speculative tokens of the colocated ser
 STEP=${STEP:---batch-sizes 1,8,32 --k 0,2 --prompt-len 256 --steps 20 --prefill 8x2048,32x256 --hf-peer}
 PARTS=${*:-tests step serve pd}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null
+# an 80 GB card (an H100 standing in for the H200) ran out of memory in the FP8 step benchmark with 32 GiB cached
+# but unusable: there, the caching allocator grows segments instead of keeping fixed ones
+total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+if [ -n "$total_mib" ] && [ "$total_mib" -lt 100000 ]; then
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+fi
 
 wait_announced() {  # log file, pid -> waits for tandem serve's machine-readable line (at most 300 s, while it runs)
     for _ in $(seq 1 300); do
@@ -99,6 +105,9 @@ for part in $PARTS; do
     ops)  # the prefill-size kernels against their floors, with the tilings each dispatch could take instead
         timeout 300 python3 benchmarks/prefill_ops.py --sweep ${OPS_ROWS:+--rows $OPS_ROWS} > "$OUT/prefill_ops.txt" 2>&1
         cat "$OUT/prefill_ops.txt" ;;
+    fp8)  # each FP8 GEMM and the FP8 experts at decode sizes against their floors and bf16
+        timeout 400 python3 benchmarks/fp8_gemm.py --rows 1,32,96 --tokens 1,32,96 > "$OUT/fp8_gemm.txt" 2>&1
+        cat "$OUT/fp8_gemm.txt" ;;
     profile)  # where a step's device time goes: the top kernels at B = 1 and at B = 32 with k = 2
         timeout 600 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE --batch-sizes 1,32 --k 0,2 \
             --prompt-len 256 --steps 5 --profile > "$OUT/profile.txt" 2>&1
@@ -117,6 +126,6 @@ for part in $PARTS; do
             --max-num-seqs 32 --max-model-len 2048 --num-speculative-tokens 2 --emulated-acceptance 0.84,0.66 -- \
             --model $PD_MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $OUT_LEN --ignore-eos \
             --max-concurrency 32 --num-prompts $PROMPTS --num-warmups 2 ;;
-    *) echo "unknown part $part (tests, step, ops, profile, serve, pd)"; exit 2 ;;
+    *) echo "unknown part $part (tests, step, ops, profile, fp8, serve, pd)"; exit 2 ;;
     esac
 done
