@@ -190,6 +190,26 @@ def test_experts_host_a_shared_expert_of_their_size(name):
         assert (block(x[:rows]) - ref_block(x[:rows])).abs().max() <= 1e-5
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
+def test_hosted_shared_expert_through_the_kernels(monkeypatch):
+    """The kernel path of a hosting block (routing kernel with the shared pair, grouped GEMMs over E + 1 experts,
+    per-pair outputs left unsummed) under the interpreter, summed by the residual norm's kernel, against the
+    unfused block's torch output."""
+    from tandem.ops import norm
+
+    cfg = config("tiny-moe-hosting")
+    model = random_model(cfg, "cpu", torch.float32, seed=5)
+    block = model.model.layers[0].mlp
+    ref_block = [m for m in unfused_copy(cfg, model).modules() if isinstance(m, SparseMoE)][0]
+    x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    h = torch.zeros_like(x)
+    monkeypatch.setattr(moe, "use_triton", lambda t: True)
+    parts = block(x)
+    assert parts.shape == (7, cfg.num_experts_per_tok + 1, cfg.hidden_size)
+    total, _ = norm.add_rms_norm_1p_triton(h, parts, model.model.layers[1].input_layernorm.weight, 1e-6)
+    assert (total - ref_block(x)).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_fusing_again_changes_nothing(name):
     model = random_model(config(name), "cpu", torch.float32)

@@ -356,8 +356,8 @@ class Experts(nn.Module):
         """Stores `shared` as expert E, right after the E experts (the parameters of both become views of
         [E + 1, ...] tensors: no extra memory), when it has an expert's shape and storage and every expert is on
         this rank; returns whether it did. A batch can then route each token to the shared expert too, with
-        weight sigmoid(shared logit), and run it in the experts' kernels: two launches fewer per layer and no
-        GEMM of its own (it is SwiGLU with the experts' intermediate size, so its sum is theirs)."""
+        weight sigmoid(shared logit), and run it in the experts' kernels, with no GEMM or SwiGLU launch of its own
+        (a SwiGLU MLP of the experts' intermediate size is one more expert)."""
         E, I = self.gate_up_proj.shape[0], self.down_proj.shape[2]
         projections = (shared.gate_proj, shared.up_proj, shared.down_proj)
         fp8 = self.block is not None
