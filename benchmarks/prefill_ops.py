@@ -74,9 +74,9 @@ class Report:
         print(f"{name:<48} {us:10.1f} us  floor {floor:8.1f} us  {us / floor:5.2f}x  {extra}", flush=True)
 
 
-def packed_batch(lens, dev, W=1, cached=0):
-    """Requests of `lens` new rows after `cached` ones; request i reads state slot i + 1 and writes W slots of its
-    own after all the read ones."""
+def packed_batch(lens, dev, cached=0, replay=0, keep=False):
+    """Requests of `lens` new rows after `cached` ones; request i reads and writes state slot i + 1, replays
+    `replay` pending rows from buffer 2 (i + 1) and, when `keep` (a verify step), keeps its rows in the other."""
     qsl = torch.tensor([0] + lens).cumsum(0)
     B, T = len(lens), int(qsl[-1])
     per = -(-(cached + max(lens)) // BLOCK)
@@ -85,7 +85,8 @@ def packed_batch(lens, dev, W=1, cached=0):
         input_ids=torch.zeros(T, dtype=torch.long, device=dev), positions=torch.zeros(T, dtype=torch.long, device=dev),
         query_start_loc=qsl.to(dev), seq_lens=(torch.tensor(lens) + cached).to(dev), block_tables=tables.to(dev),
         slot_mapping=torch.zeros(T, dtype=torch.long, device=dev), state_slots=torch.arange(1, B + 1, device=dev),
-        state_write_slots=torch.arange(B + 1, B + 1 + B * W, device=dev).view(B, W),
+        state_replay=torch.full((B,), replay, device=dev),
+        state_pending=torch.tensor([(2 * s, 2 * s + 1 if keep else -1) for s in range(1, B + 1)], device=dev),
         logits_indices=(qsl[1:] - 1).to(dev), query_start_loc_cpu=qsl.tolist(),
         seq_lens_cpu=[n + cached for n in lens]), tables
 
@@ -96,12 +97,14 @@ def conv_rows(rep: Report, sweep: bool):
     T, C = PROMPTS * LEN, 2 * NK * DK + NV * DV
     x = torch.randn(T, C, device=dev, dtype=dt)
     state = torch.randn(PROMPTS + 1, C, KW - 1, device=dev, dtype=dt)
+    pending = torch.empty(2 * (PROMPTS + 1), 1, C, device=dev, dtype=dt)  # prompt rows: never read or written
     w = torch.randn(C, KW, device=dev, dtype=dt)
     splits = [NK * DK, NK * DK, NV * DV]
     nbytes = 2 * T * C * 2
     configs = [(None, None)] + ([(None, 16), (None, 32), (8, 8), (32, 8), (8, 16), (8, 32)] if sweep else [])
     for split, block_t in configs:
-        us = device_us(lambda: gdn.causal_conv1d_triton(x, state, w, batch, splits, split=split, block_t=block_t))
+        us = device_us(lambda: gdn.causal_conv1d_triton(x, state, pending, w, batch, splits, split=split,
+                                                        block_t=block_t))
         rep.row(f"conv T={T} C={C} split={split or 'auto'} block_t={block_t or 'auto'}", us, nbytes)
 
 
@@ -116,21 +119,26 @@ def gated_norm_rows(rep: Report, sweep: bool):  # no tilings to sweep
 
 
 def recurrent_rows(rep: Report, sweep: bool):
-    """The delta rule at decode (1 row a request, W = 1) and verify sizes (k + 1 = 3 rows, W = 3), fp32 state."""
+    """The delta rule at decode (1 row a request) and verify sizes (k + 1 = 3 rows, kept; 2 replayed: one draft
+    was accepted in the step before), fp32 state."""
     dev, dt = "cuda", torch.bfloat16
     for B, rows in ((1, 1), (1, 3), (32, 1), (32, 3)):
-        batch, _ = packed_batch([rows] * B, dev, W=rows)
+        replay = 2 if rows > 1 else 0
+        batch, _ = packed_batch([rows] * B, dev, replay=replay, keep=rows > 1)
         T = B * rows
         q, k = (torch.randn(T, NK, DK, device=dev, dtype=dt) for _ in range(2))
         v = torch.randn(T, NV, DV, device=dev, dtype=dt)
         ab = torch.randn(T, 2 * NV, device=dev, dtype=dt)
         gates = gdn.Gates(ab[:, :NV], ab[:, NV:], torch.rand(NV, device=dev) - 2, torch.ones(NV, device=dev, dtype=dt))
-        state = torch.randn(B * (rows + 1) + 1, NV, DK, DV, device=dev) * 0.1
-        nbytes = (1 + rows) * B * NV * DK * DV * 4 + T * (2 * NK * DK + NV * DV) * 2
+        state = torch.randn(B + 1, NV, DK, DV, device=dev) * 0.1
+        width = NK * DK + NV * DV + 2 * NV
+        pending = torch.randn(2 * (B + 1), rows, width, device=dev, dtype=dt)
+        # the state read and written; q, k, v read; kept rows written and replayed rows read
+        nbytes = 2 * B * NV * DK * DV * 4 + T * (2 * NK * DK + NV * DV) * 2 + (rows > 1) * B * (rows + replay) * width * 2
         configs = [(None, None)] + ([(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)] if sweep else [])
         for block_v, warps in configs:
-            us = graph_us(lambda: gdn.gated_delta_rule_triton(q, k, v, gates, state, batch, block_v=block_v,
-                                                              num_warps=warps))
+            us = graph_us(lambda: gdn.gated_delta_rule_triton(q, k, v, gates, state, pending, batch,
+                                                              block_v=block_v, num_warps=warps))
             rep.row(f"recurrent B={B} rows={rows} block_v={block_v or 'auto'} warps={warps or 'auto'}", us, nbytes)
 
 

@@ -18,8 +18,8 @@ not steps * B; tok/step is that per request and step (the mean acceptance length
 The floor is the bytes of one step at --bandwidth-gbs (4250 GB/s on the H200), with T = B * (k + 1) target rows:
   verify: every dense weight of the target model and the lm_head once, T embedding rows, the routed experts that T
     tokens are expected to touch under uniform routing (E * (1 - (1 - top_k/E)^T) per MoE layer), the KV of every
-    attention layer read once per request over its context, and the GDN recurrent state read once and written
-    k + 1 times per request (once when k = 0).
+    attention layer read once per request over its context, the GDN recurrent state read and written once per
+    request, and with k > 0 the kept GDN rows (k + 1 written, at most k + 1 replayed: `tandem/ops/gdn.py`).
   draft (k > 0 only): k passes of the MTP head, each reading its dense weights, the lm_head, the experts touched by
     B tokens (a lower bound: the first pass has 1 + accepted rows per request) and its KV once per request.
 The MTP head's weights are not counted when k = 0 (it does not run). Conv states and KV writes are left out (small).
@@ -63,6 +63,7 @@ from tandem.config import EngineConfig, parse_dtype  # noqa: E402
 from tandem.engine.llm import Engine, load_model  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.model.presets import PRESETS  # noqa: E402
+from tandem.ops.gdn import pending_width  # noqa: E402
 
 PREFILL_TOKEN_CAP = 16384
 PROFILE_STEPS = 3
@@ -105,7 +106,9 @@ def step_bytes(cfg, model, batch: int, context: float, dtype_bytes: int, k: int 
     kv_per_layer = 2 * context * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
     ssm_bytes = 4 if cfg.ssm_dtype == torch.float32 else dtype_bytes
     state = len(cfg.gdn_layers) * cfg.gdn_num_v_heads * cfg.gdn_k_dim * cfg.gdn_v_dim * ssm_bytes
-    verify += batch * (len(cfg.attention_layers) * kv_per_layer + state * (1 + (k + 1)))
+    kept_rows = len(cfg.gdn_layers) * pending_width(cfg.conv_dim, cfg.gdn_num_k_heads, cfg.gdn_k_dim,
+                                                    cfg.gdn_num_v_heads, cfg.gdn_v_dim) * dtype_bytes
+    verify += batch * (len(cfg.attention_layers) * kv_per_layer + 2 * state + (2 * (k + 1) * kept_rows if k else 0))
     if k == 0:
         return verify, 0.0
     mtp_pass = dense["mtp"] + lm_head + batch * cfg.hidden_size * dtype_bytes + experts("mtp", batch)

@@ -224,7 +224,7 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048  # the chunked-prefill token budget of one step
     num_kv_blocks: int | None = None  # None: enough for max_num_seqs full-length sequences
-    num_state_slots: int | None = None  # None: max_num_seqs * (1 + num_speculative_tokens)
+    num_state_slots: int | None = None  # None: max_num_seqs (one a request)
     num_speculative_tokens: int = 0  # MTP drafts verified per decode step (0: no speculation)
     # Benchmark only: force the acceptance probability of each draft position (e.g. (0.84, 0.66)) so throughput
     # at a realistic acceptance can be measured on random weights. Outputs produced under it are labelled emulated.
@@ -261,4 +261,4 @@ class EngineConfig:
                                   f"got {self.emulated_acceptance!r}")
             self.emulated_acceptance = rates
         if self.num_state_slots is None:
-            self.num_state_slots = self.max_num_seqs * (1 + self.num_speculative_tokens)
+            self.num_state_slots = self.max_num_seqs

@@ -114,7 +114,8 @@ def _batch(cfg_blocks: int, rows: list[tuple[int, int]], k: int) -> ForwardBatch
     return ForwardBatch(
         input_ids=torch.zeros(T, dtype=torch.long), positions=pos, query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables, slot_mapping=slots,
-        state_slots=torch.arange(1, B + 1), state_write_slots=torch.arange(1, B * (k + 1) + 1).view(B, k + 1),
+        state_slots=torch.arange(1, B + 1), state_replay=torch.zeros(B, dtype=torch.long),
+        state_pending=torch.stack([2 * torch.arange(1, B + 1), 2 * torch.arange(1, B + 1) + 1], 1),
         logits_indices=torch.tensor(qsl[1:]) - 1, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
 
 
@@ -132,7 +133,7 @@ def parse_shape(text: str) -> list[tuple[int, int]]:
     return rows
 
 
-def _caches(cfg: ModelConfig, dtype: torch.dtype, blocks: int, slots: int):
+def _caches(cfg: ModelConfig, dtype: torch.dtype, blocks: int, slots: int, k: int):
     kv = (blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
     caches = []
     for t in cfg.layer_types:
@@ -141,7 +142,10 @@ def _caches(cfg: ModelConfig, dtype: torch.dtype, blocks: int, slots: int):
         else:
             caches.append((torch.empty(slots, cfg.conv_dim, cfg.conv_kernel - 1, dtype=dtype),
                            torch.empty(slots, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim,
-                                       dtype=cfg.ssm_dtype or dtype)))
+                                       dtype=cfg.ssm_dtype or dtype),
+                           torch.empty(2 * slots, k + 1, gdn.pending_width(cfg.conv_dim, cfg.gdn_num_k_heads,
+                                                                       cfg.gdn_k_dim, cfg.gdn_num_v_heads,
+                                                                       cfg.gdn_v_dim), dtype=dtype)))
     return caches, (torch.empty(kv, dtype=dtype), torch.empty(kv, dtype=dtype))
 
 
@@ -155,7 +159,7 @@ def compile_forward_kernels(preset: str, dtype: torch.dtype, shapes: list[str]) 
         for shape in shapes:
             rows = parse_shape(shape)
             blocks = sum(-(-(c + n) // BLOCK_SIZE) + 1 for c, n in rows) + 1
-            caches, mtp_cache = _caches(cfg, dtype, blocks, len(rows) * (k + 1) + 1)
+            caches, mtp_cache = _caches(cfg, dtype, blocks, len(rows) + 1, k)
             batch = _batch(blocks, rows, k)
             hidden = model(batch, caches)
             embeds = model.model.embed_tokens(batch.input_ids)

@@ -44,7 +44,8 @@ def make_case(reqs, heads, kv_heads, head_dim, dtype, device, seed, num_blocks=N
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, **to), block_tables=tables.to(device),
         slot_mapping=torch.zeros(qsl[-1], dtype=torch.long, **to),
         state_slots=torch.zeros(len(reqs), dtype=torch.long, **to),
-        state_write_slots=torch.zeros(len(reqs), 1, dtype=torch.long, **to),
+        state_replay=torch.zeros(len(reqs), dtype=torch.long, **to),
+        state_pending=torch.zeros(len(reqs), 2, dtype=torch.long, **to),
         logits_indices=torch.tensor(qsl[1:], **to) - 1, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
     return q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype), batch
 

@@ -23,7 +23,8 @@ def batch_of(positions):
     n = positions.numel()
     z = torch.zeros(1, dtype=torch.int32, device=positions.device)
     return ForwardBatch(input_ids=positions, positions=positions, query_start_loc=z, seq_lens=z, block_tables=z,
-                        slot_mapping=positions, state_slots=positions, state_write_slots=positions,
+                        slot_mapping=positions, state_slots=positions, state_replay=positions,
+                        state_pending=positions,
                         logits_indices=positions, query_start_loc_cpu=[0, n], seq_lens_cpu=None)
 
 

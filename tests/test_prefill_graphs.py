@@ -66,7 +66,7 @@ def test_piecewise_prefill_equals_the_plain_forward(name):
         assert a.shape == b.shape and (a - b).abs().max() <= 1e-4
         assert torch.equal(a.argmax(-1), b.argmax(-1))
     assert set(piecewise.runner.prefill_graphs.cpu_outs) == {64, 128, 200}
-    for (a, b), (c, d) in zip(piecewise.pools.layer_caches, plain.pools.layer_caches):
+    for (a, b, *_), (c, d, *_) in zip(piecewise.pools.layer_caches, plain.pools.layer_caches):
         # KV blocks and GDN state slots; only the null block / slot (0) takes the padding rows' writes
         assert (a[1:] - c[1:]).abs().max() <= 1e-4 and (b[1:] - d[1:]).abs().max() <= 1e-4
 
@@ -104,6 +104,6 @@ def test_captured_prefill_graphs_equal_the_plain_forward():
     for eng in (piecewise, lazy):
         for a, b in zip(prefill_logits(eng, batches), want):
             assert (a - b).abs().max() <= 1e-4
-        for (a, b), (c, d) in zip(eng.pools.layer_caches, plain.pools.layer_caches):
+        for (a, b, *_), (c, d, *_) in zip(eng.pools.layer_caches, plain.pools.layer_caches):
             assert (a[1:] - c[1:]).abs().max() <= 1e-4 and (b[1:] - d[1:]).abs().max() <= 1e-4
     assert set(lazy.runner.prefill_graphs.pieces) == {64, 128, 200}

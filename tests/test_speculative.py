@@ -70,19 +70,20 @@ def test_verify_states_equal_token_by_token(k):
             eng.scheduler.add(s)
             assert eng.scheduler._try_admit(eng.scheduler.waiting.popleft())
         eng.runner.run([ScheduledChunk(a, 9), ScheduledChunk(b, 9)])
-        a.read_slot_index = b.read_slot_index = min(9, k + 1) - 1
-        a.prompt_token_ids.append(verify[0])
-        a.drafts = verify[1:]
-        eng.runner.run([ScheduledChunk(a, k + 1)])
+        a.output_token_ids, a.drafts = verify[:1], verify[1:]
+        eng.runner.run([ScheduledChunk(a, k + 1)])  # a verify step: its rows stay pending in the GDN layers
+        a.kept(j + 1)  # the last token's row and j drafts accepted
+        a.num_computed = 9 + j + 1
+        a.output_token_ids, a.drafts = verify[: j + 1] + verify[:1], []  # then any next token
+        eng.runner.run([ScheduledChunk(a, 1)])  # replays them: its slot holds the state after them
         b.prompt_token_ids += verify[: j + 1]
         for _ in range(j + 1):
             eng.runner.run([ScheduledChunk(b, 1)])
-            b.read_slot_index = 0
         for layer in cfg.gdn_layers:
-            conv, rec = eng.pools.layer_caches[layer]
-            bs = b.state_slots[0]
-            assert torch.allclose(conv[a.state_slots[j]], conv[bs], atol=1e-6)
-            assert torch.allclose(rec[a.state_slots[j]], rec[bs], atol=1e-6)
+            conv, rec, _ = eng.pools.layer_caches[layer]
+            sa, sb = a.state_slots[0], b.state_slots[0]
+            assert torch.allclose(conv[sa], conv[sb], atol=1e-6)
+            assert torch.allclose(rec[sa], rec[sb], atol=1e-6)
 
 
 def test_stochastic_verification_is_lossless(monkeypatch):

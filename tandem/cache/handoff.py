@@ -3,8 +3,8 @@
 - each full-attention layer (and the MTP layer): K and V of the blocks covering the prompt, in order. The MTP
   entries the prefill worker wrote past the prompt (its k-1 recursive draft rows) are not sent: the decode
   worker rewrites those positions before any read of them.
-- each GDN layer: the conv and recurrent state after the last prompt token, from the slot the next step reads;
-  the decode worker puts it in the request's first slot (read_slot_index 0).
+- each GDN layer: the conv and recurrent state after the last prompt token, from the request's slot (prompt rows
+  are committed: nothing is pending) into the lease's slot.
 
 The block tables differ on the two sides; only contents move, block i of the prompt into the lease's block i.
 
@@ -39,7 +39,7 @@ def _named_caches(cfg: ModelConfig, pools: CachePools):
     """(name, tensor, kind, split) of every cache tensor (this rank's heads); kind is "kv" (indexed by block) or
     "state" (by slot); split says how the full tensor is cut across ranks."""
     splits = state_splits(cfg)
-    for i, (t, (a, b)) in enumerate(zip(cfg.layer_types, pools.layer_caches)):
+    for i, (t, (a, b, *_)) in enumerate(zip(cfg.layer_types, pools.layer_caches)):  # not the pending buffers
         if t == "full_attention":
             yield f"layers.{i}.k", a, "kv", splits["kv"]
             yield f"layers.{i}.v", b, "kv", splits["kv"]
@@ -104,7 +104,8 @@ def gather_state(cfg: ModelConfig, pools: CachePools, seq: Sequence, block_size:
     """Copies of the prompt's state (safe to free the sequence's blocks and slots right after). `model`: the
     engine's model; rank 0's `LeaderModel` under tensor parallelism, which has the other ranks send their heads."""
     n = num_prompt_blocks(len(seq.prompt_token_ids), block_size)
-    args = (seq.block_ids[:n], seq.state_slots[seq.read_slot_index])
+    assert seq.pending_rows == 0, "a prompt's state has no pending rows"
+    args = (seq.block_ids[:n], seq.state_slots[0])
     if isinstance(model, LeaderModel):
         return model.on_all_ranks("gather_state", *args, here=lambda: gather_across_ranks(cfg, pools, *args))
     return gather_across_ranks(cfg, pools, *args)
@@ -112,7 +113,7 @@ def gather_state(cfg: ModelConfig, pools: CachePools, seq: Sequence, block_size:
 
 def scatter_state(cfg: ModelConfig, pools: CachePools, seq: Sequence, tensors: dict[str, torch.Tensor],
                   block_size: int, model=None) -> None:
-    """Writes a received state (full model layout) into the sequence's lease blocks and its first state slot;
+    """Writes a received state (full model layout) into the sequence's lease blocks and its state slot;
     under tensor parallelism (`model` is rank 0's `LeaderModel`) each rank gets its heads."""
     n = num_prompt_blocks(len(seq.prompt_token_ids), block_size)
     args = (seq.block_ids[:n], seq.state_slots[0])
@@ -120,4 +121,4 @@ def scatter_state(cfg: ModelConfig, pools: CachePools, seq: Sequence, tensors: d
         model.on_all_ranks("scatter_state", *args, here=lambda: scatter_across_ranks(cfg, pools, *args, tensors))
     else:
         scatter_across_ranks(cfg, pools, *args, tensors)
-    seq.read_slot_index = 0
+    seq.pending_rows = 0

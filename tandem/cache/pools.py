@@ -3,8 +3,10 @@
 - KV: K and V each `[num_blocks, block_size, kv_heads, head_dim]`; block 0 is the null block. The MTP layer, when
   the model has one, gets its own pair (`mtp_cache`) indexed by the same block tables.
 - GDN: conv state `[slots, conv_dim, K-1]` in the model dtype and recurrent state `[slots, nv, dk, dv]` in the
-  config's ssm dtype (fp32 for Qwen3.5); slot 0 is the null slot. A slot is zeroed when handed out, so a new
-  request always starts from the empty state.
+  config's ssm dtype (fp32 for Qwen3.5), one slot a request; slot 0 is the null slot. A slot is zeroed when handed
+  out, so a new request always starts from the empty state. Each slot also owns two pending buffers (rows 2 * slot
+  and 2 * slot + 1 of `[2 * slots, k+1, width]` in the model dtype, `tandem/ops/gdn.py`): a verify step's rows wait
+  there until the next step knows which were accepted. Nothing reads them before they are written.
 
 Under tensor parallelism each rank's pools hold its own heads only (KV heads, GDN key/value heads and their conv
 channels); block and slot numbers are the same on every rank, handed out by rank 0's allocators.
@@ -17,6 +19,7 @@ import torch
 from tandem.cache.allocator import CountingAllocator
 from tandem.config import EngineConfig, ModelConfig
 from tandem.model.batch import to_device
+from tandem.ops.gdn import pending_width
 from tandem.parallel import SINGLE, TPGroup
 
 
@@ -30,14 +33,20 @@ class CachePools:
         kv_shape = (ecfg.num_kv_blocks, ecfg.block_size, cfg.num_kv_heads // n, cfg.head_dim)
         conv_shape = (ecfg.num_state_slots + 1, cfg.conv_dim // n, cfg.conv_kernel - 1)
         rec_shape = (ecfg.num_state_slots + 1, cfg.gdn_num_v_heads // n, cfg.gdn_k_dim, cfg.gdn_v_dim)
+        pending_shape = (2 * (ecfg.num_state_slots + 1), 1 + ecfg.num_speculative_tokens,
+                         pending_width(cfg.conv_dim // n, cfg.gdn_num_k_heads // n, cfg.gdn_k_dim,
+                                       cfg.gdn_num_v_heads // n, cfg.gdn_v_dim))
         ssm_dtype = cfg.ssm_dtype or dt
-        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (K, V) of an attention layer, (conv state, recurrent state, pending buffers) of a GDN layer
+        self.layer_caches: list[tuple[torch.Tensor, ...]] = []
         for t in cfg.layer_types:
             if t == "full_attention":
-                pair = (torch.zeros(kv_shape, dtype=dt, device=dev), torch.zeros(kv_shape, dtype=dt, device=dev))
+                cache = (torch.zeros(kv_shape, dtype=dt, device=dev), torch.zeros(kv_shape, dtype=dt, device=dev))
             else:
-                pair = (torch.zeros(conv_shape, dtype=dt, device=dev), torch.zeros(rec_shape, dtype=ssm_dtype, device=dev))
-            self.layer_caches.append(pair)
+                cache = (torch.zeros(conv_shape, dtype=dt, device=dev),
+                         torch.zeros(rec_shape, dtype=ssm_dtype, device=dev),
+                         torch.empty(pending_shape, dtype=dt, device=dev))
+            self.layer_caches.append(cache)
         self.mtp_cache = (torch.zeros(kv_shape, dtype=dt, device=dev),
                           torch.zeros(kv_shape, dtype=dt, device=dev)) if with_mtp else None
         self._gdn = [c for c, t in zip(self.layer_caches, cfg.layer_types) if t == "linear_attention"]
@@ -51,6 +60,6 @@ class CachePools:
         if not slots or not self._gdn:
             return
         idx, = to_device(self._gdn[0][0].device, torch.tensor(slots))  # one index for every layer
-        for conv, rec in self._gdn:
+        for conv, rec, _ in self._gdn:
             conv.index_fill_(0, idx, 0)
             rec.index_fill_(0, idx, 0)

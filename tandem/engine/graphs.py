@@ -67,7 +67,7 @@ class DecodeGraphs:
         self.max_blocks = -(-(ecfg.max_model_len + self.k) // ecfg.block_size)
         # one int64 region (a single copy per step): name -> (offset, shape)
         fields = {"input_ids": (n,), "positions": (n,), "seq_lens": (B,), "slot_mapping": (n,),
-                  "state_slots": (B,), "state_write_slots": (B, self.q), "forced": (B, self.k),
+                  "state_slots": (B,), "state_replay": (B,), "state_pending": (B, 2), "forced": (B, self.k),
                   "block_tables": (B, self.max_blocks)}
         self.layout, size = {}, 0
         for name, shape in fields.items():
@@ -104,7 +104,7 @@ class DecodeGraphs:
         return ForwardBatch(
             input_ids=input_ids, positions=d["positions"][:n], query_start_loc=qsl, seq_lens=d["seq_lens"][:B],
             block_tables=d["block_tables"][:B], slot_mapping=d["slot_mapping"][:n], state_slots=d["state_slots"][:B],
-            state_write_slots=d["state_write_slots"][:B], logits_indices=qsl[1:] - 1,
+            state_replay=d["state_replay"][:B], state_pending=d["state_pending"][:B], logits_indices=qsl[1:] - 1,
             query_start_loc_cpu=list(range(0, n + 1, self.q)),
             # the torch reference ops (CPU) read the lengths on the host; the kernels never do
             seq_lens_cpu=None if self.capture else d["seq_lens"][:B].tolist(),
@@ -118,7 +118,8 @@ class DecodeGraphs:
         h["slot_mapping"][first * q : B * q] = list(range(q)) * (B - first)
         h["seq_lens"][first:B] = q
         h["state_slots"][first:B] = 0
-        h["state_write_slots"][first:B] = 0
+        h["state_replay"][first:B] = 0
+        h["state_pending"][first:B] = (0, -1)
         h["block_tables"][first:B] = 0
         h["forced"][first:B] = 0
 
@@ -144,8 +145,9 @@ class DecodeGraphs:
             h["positions"][rows] = positions
             h["slot_mapping"][rows] = [seq.block_ids[t // bs] * bs + t % bs for t in positions]
             h["seq_lens"][i] = p + q
-            h["state_slots"][i] = seq.state_slots[seq.read_slot_index]
-            h["state_write_slots"][i] = seq.state_slots
+            h["state_slots"][i] = seq.state_slots[0]
+            h["state_replay"][i] = seq.pending_rows
+            h["state_pending"][i] = seq.pending(self.k > 0)  # a verify step's rows wait for their acceptance
             h["forced"][i] = forced[i]
             table = h["block_tables"][i]
             table[: len(seq.block_ids)] = seq.block_ids
@@ -210,7 +212,7 @@ class DecodeGraphs:
             rec = ForwardBatch(
                 input_ids=tok, positions=pos, query_start_loc=one_row, seq_lens=pos + 1, block_tables=tables,
                 slot_mapping=tables[reqs, pos // bs] * bs + pos % bs, state_slots=batch.state_slots,
-                state_write_slots=batch.state_write_slots, logits_indices=one_row[1:] - 1,
+                state_replay=batch.state_replay, state_pending=batch.state_pending, logits_indices=one_row[1:] - 1,
                 query_start_loc_cpu=list(range(B + 1)),
                 seq_lens_cpu=None if self.capture else (pos + 1).tolist())
             last = model.mtp(model.model.embed_tokens(tok), last, rec, model.inv_freq, self.pools.mtp_cache)

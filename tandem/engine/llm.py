@@ -327,7 +327,6 @@ class Engine:
                     continue
                 known.append(seq.output_token_ids[-1])
             if k:
-                seq.read_slot_index = min(n, k + 1) - 1
                 todo.add((seq, first_pos, known), range(qsl[i], qsl[i] + n), not seq.in_prefill)
         return finished
 
@@ -422,7 +421,8 @@ class Engine:
                 finished.append(seq)
                 continue
             seq.num_computed = first_pos + accepted + 1  # rejected rows are rewound (their KV is overwritten later)
-            seq.read_slot_index = accepted
+            if k:  # the GDN layers kept the rows: the next step replays the accepted ones
+                seq.kept(accepted + 1)
             if drafted:
                 seq.drafts = new_drafts[i]
             elif k:

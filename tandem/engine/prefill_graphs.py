@@ -81,8 +81,8 @@ class PrefillGraphs:
         return ForwardBatch(
             input_ids=self.input_ids[:n], positions=self.positions[:n], slot_mapping=self.slot_mapping[:n],
             query_start_loc=torch.tensor([0, n], **i64), seq_lens=torch.tensor([n], **i64),
-            block_tables=torch.zeros(1, -(-n // bs), **i64), state_slots=torch.zeros(1, dtype=torch.long, device=dev),
-            state_write_slots=torch.zeros(1, 1, dtype=torch.long, device=dev),
+            block_tables=torch.zeros(1, -(-n // bs), **i64), state_slots=torch.zeros(1, **i64),
+            state_replay=torch.zeros(1, **i64), state_pending=torch.tensor([[0, -1]], **i64),
             logits_indices=torch.tensor([n - 1], device=dev), query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
 
     @torch.inference_mode()

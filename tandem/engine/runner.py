@@ -40,17 +40,21 @@ class ModelRunner:
         for i, (seq, _, _) in enumerate(items):
             tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids)
         slot_mapping = tables[row_req, positions // bs] * bs + positions % bs
+        # with speculation, a decode request's rows (its last token and drafts) stay pending in the GDN layers
+        # until its acceptance is known (`Sequence.kept`); prompt rows are committed
+        spec = self.ecfg.num_speculative_tokens > 0
+        pending = [seq.pending(spec and p >= len(seq.prompt_token_ids)) for seq, p, _ in items]
         # all int64, as in the decode graphs' buffers: the kernels then compile one variant for both
-        (input_ids, positions_d, slot_mapping_d, state_slots, state_write_slots, logits_indices, qsl_d, seq_lens_d,
-         tables_d) = to_device(dev, torch.tensor([t for _, _, toks in items for t in toks], dtype=torch.long),
-                               positions, slot_mapping,
-                               torch.tensor([seq.state_slots[seq.read_slot_index] for seq, _, _ in items]),
-                               torch.tensor([seq.state_slots for seq, _, _ in items]), qsl[1:] - 1, qsl, seq_lens,
-                               tables)
+        (input_ids, positions_d, slot_mapping_d, state_slots, state_replay, state_pending, logits_indices, qsl_d,
+         seq_lens_d, tables_d) = to_device(
+            dev, torch.tensor([t for _, _, toks in items for t in toks], dtype=torch.long), positions, slot_mapping,
+            torch.tensor([seq.state_slots[0] for seq, _, _ in items]),
+            torch.tensor([seq.pending_rows for seq, _, _ in items]), torch.tensor(pending), qsl[1:] - 1, qsl,
+            seq_lens, tables)
         return ForwardBatch(
             input_ids=input_ids, positions=positions_d, query_start_loc=qsl_d, seq_lens=seq_lens_d,
-            block_tables=tables_d, slot_mapping=slot_mapping_d, state_slots=state_slots,
-            state_write_slots=state_write_slots, logits_indices=logits_indices,
+            block_tables=tables_d, slot_mapping=slot_mapping_d, state_slots=state_slots, state_replay=state_replay,
+            state_pending=state_pending, logits_indices=logits_indices,
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
         )
 

@@ -63,12 +63,12 @@ class Scheduler:
         return -(-tokens // self.ecfg.block_size)
 
     def _allocate(self, seq: Sequence) -> bool:
-        need, n_slots = self._blocks_needed(seq), 1 + self.ecfg.num_speculative_tokens
+        need = self._blocks_needed(seq)
         if len(self.running) + len(self.reserved) >= self.ecfg.max_num_seqs \
-                or not self.pools.blocks.can_allocate(need) or not self.pools.slots.can_allocate(n_slots):
+                or not self.pools.blocks.can_allocate(need) or not self.pools.slots.can_allocate(1):
             return False
         seq.block_ids = self.pools.blocks.allocate(need)
-        seq.state_slots = self.pools.allocate_slots(n_slots)
+        seq.state_slots = self.pools.allocate_slots(1)
         seq.scheduled_time = time.monotonic()
         return True
 

@@ -29,10 +29,11 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV/state is in the cache
     block_ids: list[int] = field(default_factory=list)
-    # GDN state slots: 1 without speculation, 1 + k with; the state after row j of a step lands in
-    # state_slots[min(j, k)], and the next step reads state_slots[read_slot_index].
+    # the GDN state slot (one, in a list as leases carry it). A verify step's rows stay pending in one of the
+    # slot's two buffers (`pending_buffer`) until the next step replays the accepted ones (`pending_rows`).
     state_slots: list[int] = field(default_factory=list)
-    read_slot_index: int = 0
+    pending_rows: int = 0
+    pending_buffer: int = 0
     drafts: list[int] = field(default_factory=list)  # MTP drafts to verify in the next step
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -51,6 +52,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def pending(self, keep: bool) -> tuple[int, int]:
+        """(The buffer its pending rows are in, the buffer a step keeps its rows in, or -1 when `keep` is False:
+        the step commits them); see `tandem/ops/gdn.py`."""
+        base = 2 * self.state_slots[0]
+        return base + self.pending_buffer, base + 1 - self.pending_buffer if keep else -1
+
+    def kept(self, accepted_rows: int) -> None:
+        """After a step that kept its rows: the next step replays the first `accepted_rows` of them."""
+        self.pending_rows, self.pending_buffer = accepted_rows, 1 - self.pending_buffer
 
     @property
     def in_prefill(self) -> bool:

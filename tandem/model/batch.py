@@ -19,8 +19,12 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int64, context length after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks] int64, 0 = null block
     slot_mapping: torch.Tensor  # [T] int64, flat KV slot (block * block_size + offset) of each token
-    state_slots: torch.Tensor  # [B] int64, GDN state slot each request starts from
-    state_write_slots: torch.Tensor  # [B, W] int64: the state after row j goes to column min(j, W-1)
+    state_slots: torch.Tensor  # [B] int64, the GDN state slot each request reads and writes
+    # GDN rows kept pending (`tandem/ops/gdn.py`): [B] int64, rows of the request's previous (verify) step applied
+    # to its state before its own rows; [B, 2] int64, (the pending buffer those rows are in, the buffer this step's
+    # rows are kept in, or -1: commit them)
+    state_replay: torch.Tensor
+    state_pending: torch.Tensor
     logits_indices: torch.Tensor  # [B] int64, rows whose logits are wanted (each request's last token)
     # Host copies: the kernels take grid sizes from query_start_loc_cpu; the torch reference ops walk requests one
     # by one with both. A captured decode graph has no host lengths (seq_lens_cpu None): only kernels run there.

@@ -266,22 +266,23 @@ class GatedDeltaNet(_FusedProjections):
                           "in_proj_b.weight": Split(0), "in_proj_a.weight": Split(0), "dt_bias": Split(0),
                           "A_log": Split(0), "out_proj.weight": Split(1)}
 
-    def steps(self, x, batch: ForwardBatch, conv_state, recurrent_state):
+    def steps(self, x, batch: ForwardBatch, conv_state, recurrent_state, pending):
         T = x.shape[0]
         mixed_qkv, z, b, a = self.project(x)
-        o = yield Core(self.recurrence, (mixed_qkv, a, b), (conv_state, recurrent_state))
+        o = yield Core(self.recurrence, (mixed_qkv, a, b), (conv_state, recurrent_state, pending))
         o = self.norm(o, z.view(T, self.nv, self.dv))
         return self.out_proj(o.reshape(T, -1))
 
-    def recurrence(self, mixed_qkv, a, b, batch: ForwardBatch, conv_state, recurrent_state, out=None):
+    def recurrence(self, mixed_qkv, a, b, batch: ForwardBatch, conv_state, recurrent_state, pending, out=None):
         """The conv and the delta rule, request by request from their state slots -> o [T, nv, dv]; the
-        log-decay g and write strength beta come from a and b inside the delta rule's kernel."""
-        T = mixed_qkv.shape[0]
-        q, k, v = causal_conv1d(mixed_qkv, conv_state, self.conv1d.weight[:, 0, :], batch,
+        log-decay g and write strength beta come from a and b inside the delta rule's kernel. `pending`: the
+        kept rows, the conv's input in the first conv_dim columns, the delta rule's inputs in the rest."""
+        T, conv_dim = mixed_qkv.shape
+        q, k, v = causal_conv1d(mixed_qkv, conv_state, pending[..., :conv_dim], self.conv1d.weight[:, 0, :], batch,
                                 splits=[self.nk * self.dk, self.nk * self.dk, self.nv * self.dv])
         return gated_delta_rule(q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk),
                                 v.view(T, self.nv, self.dv), Gates(a, b, self.A_log, self.dt_bias), recurrent_state,
-                                batch, out=out)
+                                pending[..., conv_dim:], batch, out=out)
 
 
 class GatedAttention(_FusedProjections):
@@ -512,7 +513,7 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, caches) -> torch.Tensor:
         """Returns the final post-norm hidden state of every token, [T, H]. `caches[i]` is layer i's
-        (k_cache, v_cache) or (conv_state, recurrent_state)."""
+        (k_cache, v_cache) or (conv_state, recurrent_state, pending)."""
         return run_cores(self.steps(batch, caches), batch)
 
     def steps(self, batch: ForwardBatch, caches):

@@ -1,33 +1,39 @@
 """Gated DeltaNet ops over the packed batch, reading and writing per-request state slots in place.
 
 - `causal_conv1d`: depthwise causal conv (kernel K) + SiLU; the slot's conv state holds the previous K-1 inputs.
-
-Both start from `batch.state_slots[i]` and write the state after row j of request i into
-`batch.state_write_slots[i, min(j, W-1)]`: with W = 1 that is the request's one slot; when verifying k drafts
-(W = k+1) each position's state is kept, so the next step starts from the last accepted one without recompute.
 - `gated_delta_rule`: per value head, `S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q`, with q, k
   L2-normalised (eps 1e-6), q scaled by dk^-0.5 and key heads repeated over value heads. State in fp32. The gates
   come in as the layer's projections a, b with A_log and dt_bias (`Gates`): the recurrent kernel computes g and
   beta itself, one launch fewer per layer.
 
+Request i reads and writes one state slot, `batch.state_slots[i]`. Speculative rows are kept, not committed: a
+verify step's rows ([last token, drafts]) may be rejected, so it stores its request's state *before* them and keeps
+the rows' inputs in a pending buffer (`pending [buffers, W, C + nk*dk + nv*dv + 2*nv]` per layer, W = k+1 rows of
+conv input x | k | v | a | b); once the host knows how many were accepted, the request's next step replays that
+many (`batch.state_replay[i]`) onto the state before its own rows. A verify step thus reads and writes one state,
+where storing the state after every draft position would write k+1 (the recurrent state is 2 MB a request and
+layer in the 35B-A3B: most of a verify step's GDN bytes). `batch.state_pending[i]` = (the buffer its replayed rows
+are in, the buffer this step's rows go to, or -1: commit them, as prefill chunks and k = 0 decode rows do). Each
+slot owns two buffers (2 * slot + 0/1, alternating between steps), so the programs of one request that still read
+the replayed rows never race the ones writing the new rows.
+
 Each op has a torch reference (walks requests one by one on the host) and GPU paths behind one dispatch; CUDA
 tensors take the GPU paths:
 - `causal_conv1d` -> `causal_conv1d_triton`, one kernel for decode, verify and varlen prefill rows: a program per
-  (request, channel block, row split) computes tiles of rows from the K-1 inputs in the slot and the request's rows,
-  and the first split of each request writes the kept states. With `splits` (GDN's q | k | v widths) it writes
-  each part as a contiguous [T, width] block, so fla's prefill reads q, k and v without copying them.
+  (request, channel block, row split) computes tiles of rows from the K-1 inputs in the slot (after the replayed
+  rows) and the request's rows, and the first split of each request writes the new state (and keeps the rows).
+  With `splits` (GDN's q | k | v widths) it writes each part as a contiguous [T, width] block, so fla's prefill
+  reads q, k and v without copying them.
 - `gated_delta_rule` -> `gated_delta_rule_gpu`: requests of at most `FLA_MIN_ROWS` rows (decode, verify, short
   prefill chunks) run `gated_delta_rule_triton`, the recurrent kernel (state of one (request, value head, dv block)
-  in registers, rows in sequence, every kept state written where the reference writes it). Longer requests -- prefill
-  chunks -- run fla-core's chunked kernel when fla is importable (else the recurrent kernel too), which only returns
-  the final state: it goes to column min(n-1, W-1) = W-1 (n > FLA_MIN_ROWS >= W), the column the engine reads after
-  a prefill chunk (`read_slot_index = min(n, W) - 1`). Columns 0..W-2 of such a chunk are left untouched (the
-  reference writes the states after its first W-1 rows there, which nothing reads).
+  in registers, replayed rows then the request's rows in sequence). Longer requests -- prefill chunks, which
+  neither replay nor keep rows -- run fla-core's chunked kernel when fla is importable (else the recurrent kernel
+  too).
 
-Launches use only device metadata (query_start_loc, state_slots, state_write_slots) inside the kernels; the host
-lists in the batch choose grid sizes and loop bounds (no host synchronisation, capturable in a CUDA graph for a
-decode/verify batch). Assumption shared with the reference: distinct requests write distinct slots (padding rows may
-share the null slot, whose contents are garbage anyway).
+Launches use only device metadata (query_start_loc, state_slots, state_replay, state_pending) inside the kernels;
+the host lists in the batch choose grid sizes and loop bounds (no host synchronisation, capturable in a CUDA graph
+for a decode/verify batch). Assumption shared with the reference: distinct requests use distinct slots (padding
+rows may share the null slot, whose contents are garbage anyway).
 """
 
 import itertools
@@ -54,13 +60,19 @@ FLA_CHUNK = 64  # fla's chunk length (its default); the chunk indices we pass ar
 FLA_MIN_ROWS = 64
 
 
-def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch,
-                  splits: list[int] | None = None):
-    """x: [T, C]; conv_state: [slots, C, K-1]; weight: [C, K] -> silu(conv(x)) [T, C], or with `splits` (channel
-    widths, at most 3) its parts, each contiguous: fla's prefill then reads q, k and v without copying them."""
+def pending_width(conv_dim: int, nk: int, dk: int, nv: int, dv: int) -> int:
+    """Width of a kept row in a layer's pending buffer: the conv's input x, then k | v | a | b for the delta rule."""
+    return conv_dim + nk * dk + nv * dv + 2 * nv
+
+
+def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, pending: torch.Tensor, weight: torch.Tensor,
+                  batch: ForwardBatch, splits: list[int] | None = None):
+    """x: [T, C]; conv_state: [slots, C, K-1]; pending: [buffers, W, C] (the kept x rows); weight: [C, K] ->
+    silu(conv(x)) [T, C], or with `splits` (channel widths, at most 3) its parts, each contiguous: fla's prefill
+    then reads q, k and v without copying them."""
     if use_triton(x):
-        return causal_conv1d_triton(x, conv_state, weight, batch, splits)
-    out = _causal_conv1d_torch(x, conv_state, weight, batch)
+        return causal_conv1d_triton(x, conv_state, pending, weight, batch, splits)
+    out = _causal_conv1d_torch(x, conv_state, pending, weight, batch)
     return out if splits is None else tuple(p.contiguous() for p in out.split(splits, dim=-1))
 
 
@@ -75,58 +87,80 @@ class Gates(NamedTuple):
     dt_bias: torch.Tensor
 
 
-def gated_delta_rule(q, k, v, gates: Gates, state: torch.Tensor, batch: ForwardBatch, out=None) -> torch.Tensor:
-    """q, k: [T, nk, dk]; v: [T, nv, dv]; state: [slots, nv, dk, dv] -> o [T, nv, dv] (into `out` when given)."""
+def gated_delta_rule(q, k, v, gates: Gates, state: torch.Tensor, pending: torch.Tensor, batch: ForwardBatch,
+                     out=None) -> torch.Tensor:
+    """q, k: [T, nk, dk]; v: [T, nv, dv]; state: [slots, nv, dk, dv]; pending: [buffers, W, nk*dk + nv*dv + 2*nv]
+    (kept rows' k | v | a | b) -> o [T, nv, dv] (into `out` when given)."""
     if use_triton(v):
-        return gated_delta_rule_gpu(q, k, v, gates, state, batch, out=out)
-    o = _gated_delta_rule_torch(q, k, v, *gdn_gates_torch(*gates), state, batch)
+        return gated_delta_rule_gpu(q, k, v, gates, state, pending, batch, out=out)
+    o = _gated_delta_rule_torch(q, k, v, gates, state, pending, batch)
     return o if out is None else out.copy_(o)
 
 
-def _causal_conv1d_torch(x, conv_state, weight, batch: ForwardBatch):
+def _requests(batch: ForwardBatch):
+    """(first row, end row, state slot, rows to replay, buffer they are in, buffer for this step's rows or -1)."""
+    qsl = batch.query_start_loc_cpu
+    for i, (slot, replay, (kept_in, keep_out)) in enumerate(zip(
+            batch.state_slots.tolist(), batch.state_replay.tolist(), batch.state_pending.tolist())):
+        yield qsl[i], qsl[i + 1], slot, replay, kept_in, keep_out
+
+
+def _causal_conv1d_torch(x, conv_state, pending, weight, batch: ForwardBatch):
     out = torch.empty_like(x)
     width = weight.shape[1] - 1
-    qsl = batch.query_start_loc_cpu
-    writes = batch.state_write_slots.tolist()
-    for i, slot in enumerate(batch.state_slots.tolist()):
-        start, end = qsl[i], qsl[i + 1]
-        window = torch.cat([conv_state[slot], x[start:end].T.to(conv_state.dtype)], dim=1)  # [C, K-1+n]
-        y = F.conv1d(window[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # [C, n]
+    for start, end, slot, replay, kept_in, keep_out in _requests(batch):
+        # every input so far: the slot's K-1, the replayed rows, this step's rows
+        window = torch.cat([conv_state[slot], pending[kept_in, :replay].T.to(conv_state.dtype),
+                            x[start:end].T.to(conv_state.dtype)], dim=1)
+        y = F.conv1d(window[None, :, replay:].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]
         out[start:end] = F.silu(y).T.to(x.dtype)
-        for j in _kept_rows(end - start, len(writes[i])):
-            conv_state[writes[i][min(j, len(writes[i]) - 1)]] = window[:, j + 1 : j + 1 + width]
+        committed = replay if keep_out >= 0 else replay + end - start  # inputs now part of the state
+        conv_state[slot] = window[:, committed : committed + width]
+        if keep_out >= 0:
+            pending[keep_out, : end - start] = x[start:end]
     return out
-
-
-def _kept_rows(n: int, width: int) -> list[int]:
-    """Rows whose following state is stored: the first width-1 and the last."""
-    return sorted(set(range(min(n, width - 1))) | {n - 1})
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _gated_delta_rule_torch(q, k, v, g, beta, state, batch: ForwardBatch):
-    nv, dk = v.shape[1], q.shape[2]
-    rep = nv // q.shape[1]
-    qf = l2_normalize(q.float()).repeat_interleave(rep, dim=1) * dk**-0.5
-    kf = l2_normalize(k.float()).repeat_interleave(rep, dim=1)
-    vf, gf, bf = v.float(), g.float(), beta.float()
+def _delta_rule_row(s, k, v, g, beta):
+    """s [nv, dk, dv] fp32 after one row (k [nv, dk] normalised, v [nv, dv], g and beta [nv], all fp32)."""
+    s = s * g.exp()[:, None, None]
+    delta = (v - torch.einsum("hkv,hk->hv", s, k)) * beta[:, None]
+    return s + k[:, :, None] * delta[:, None, :]
+
+
+def _gated_delta_rule_torch(q, k, v, gates: Gates, state, pending, batch: ForwardBatch):
+    nk, dk, nv, dv = q.shape[1], q.shape[2], v.shape[1], v.shape[2]
+
+    def heads(x):  # [n, nk, dk] -> L2-normalised fp32 [n, nv, dk], key heads repeated over their value heads
+        return l2_normalize(x.float()).repeat_interleave(nv // nk, dim=1)
+
+    def gate_values(a, b):
+        g, beta = gdn_gates_torch(a, b, gates.a_log, gates.dt_bias)
+        return g.float(), beta.float()
+
+    qf, kf, vf = heads(q) * dk**-0.5, heads(k), v.float()
+    gf, bf = gate_values(gates.a, gates.b)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    qsl = batch.query_start_loc_cpu
-    writes = batch.state_write_slots.tolist()
-    for i, slot in enumerate(batch.state_slots.tolist()):
+    for start, end, slot, replay, kept_in, keep_out in _requests(batch):
         s = state[slot].float()  # [nv, dk, dv]
-        kept = _kept_rows(qsl[i + 1] - qsl[i], len(writes[i]))
-        for j, t in enumerate(range(qsl[i], qsl[i + 1])):
-            s = s * gf[t].exp()[:, None, None]
-            kv_mem = torch.einsum("hkv,hk->hv", s, kf[t])
-            delta = (vf[t] - kv_mem) * bf[t][:, None]
-            s = s + kf[t][:, :, None] * delta[:, None, :]
+        kp, vp, ap, bp = pending[kept_in, :replay].split([nk * dk, nv * dv, nv, nv], dim=-1)
+        kpf, vpf, (gp, bpf) = heads(kp.view(replay, nk, dk)), vp.view(replay, nv, dv).float(), gate_values(ap, bp)
+        for t in range(replay):
+            s = _delta_rule_row(s, kpf[t], vpf[t], gp[t], bpf[t])
+        if keep_out >= 0:  # speculative rows: the state before them is stored, they are kept for a replay
+            state[slot] = s.to(state.dtype)
+            n = end - start
+            pending[keep_out, :n] = torch.cat([k[start:end].reshape(n, -1), v[start:end].reshape(n, -1),
+                                               gates.a[start:end], gates.b[start:end]], dim=-1)
+        for t in range(start, end):
+            s = _delta_rule_row(s, kf[t], vf[t], gf[t], bf[t])
             out[t] = torch.einsum("hkv,hk->hv", s, qf[t])
-            if j in kept:
-                state[writes[i][min(j, len(writes[i]) - 1)]] = s.to(state.dtype)
+        if keep_out < 0:
+            state[slot] = s.to(state.dtype)
     return out.to(v.dtype)
 
 
@@ -142,17 +176,31 @@ if HAS_TRITON:
     from tandem.ops.pointwise import gdn_gate_values
 
     @triton.jit
-    def _delta_step(s, qv, kv, vv, gt, bt):
-        """One row of the delta rule on a state tile s [BK, BV] -> (the state after it, the row's output [BV])."""
+    def _delta_update(s, kv, vv, gt, bt):
+        """One row of the delta rule on a state tile s [BK, BV] -> the state after it."""
         s = s * tl.exp(gt)
         delta = (vv - tl.sum(s * kv[:, None], axis=0)) * bt
-        s = s + kv[:, None] * delta[None, :]
-        return s, tl.sum(s * qv[:, None], axis=0)
+        return s + kv[:, None] * delta[None, :]
 
     @triton.jit
     def _row(tile, r, j):
         """Row j of a [WP, N] tile whose row indices are r, as an [N] vector (a masked sum: no dynamic index)."""
         return tl.sum(tl.where((r == j)[:, None], tile, 0.0), axis=0)
+
+    @triton.jit
+    def _at(vec, r, j):
+        """Element j of a [WP] vector whose indices are r."""
+        return tl.sum(tl.where(r == j, vec, 0.0))
+
+    @triton.jit
+    def _rows(ptr, rows, row_st, col0, cols, live, mcols):
+        """fp32 [len(rows), len(cols)] tile of ptr + rows * row_st + col0 + cols; 0 where not live."""
+        return tl.load(ptr + (rows * row_st + col0)[:, None] + cols[None, :], mask=live[:, None] & mcols[None, :],
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _l2_normalize(x, eps):
+        return x * tl.rsqrt(tl.sum(x * x, axis=1) + eps)[:, None]
 
     @triton.jit
     def _row_gates(a_ptr, b_ptr, t, a_st, b_st, h, a_log, dt_bias, live):
@@ -163,26 +211,34 @@ if HAS_TRITON:
         gb = gb.to(b_ptr.dtype.element_ty).to(tl.float32)  # beta in b's dtype, as the reference keeps it
         return tl.where(live, ga, 0.0), tl.where(live, gb, 0.0)
 
-    @triton.jit(do_not_specialize=["max_rows", "ws_st"])
+    @triton.jit(do_not_specialize=["max_rows", "p_ss"])
     def _gdn_recurrent_kernel(
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
-        q_st, q_sh, k_st, k_sh, v_st, v_sh, a_st, b_st, o_st, o_sh, s_ss, s_sh, s_sk, ws_st,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr, p_ptr, qsl_ptr, slots_ptr,
+        replay_ptr, pend_ptr,
+        q_st, q_sh, k_st, k_sh, v_st, v_sh, a_st, b_st, o_st, o_sh, s_ss, s_sh, s_sk, p_ss, p_sr,
         max_rows, scale, eps,
-        REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        W: tl.constexpr, WP: tl.constexpr,
+        NK: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+        BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
     ):
         """One program per (request, value head, dv block); requests with more than max_rows rows are skipped.
-        The gates g and beta come from the projections a, b (`Gates`). The first W rows (all of a decode or
-        verify request's) are loaded at once, before the state, so their loads overlap its load instead of each
-        waiting for the row before; they run unrolled, a row past the request's end changing nothing (its g,
-        beta and k are 0). Rows after them (short prefill chunks) run one by one."""
+        The gates g and beta come from the projections a, b (`Gates`). The replayed rows and the first W rows
+        (all of a decode or verify request's) are loaded at once, before the state, so their loads overlap its
+        load instead of each waiting for the row before; they run unrolled, a row past the end changing nothing
+        (its g, beta and k are 0). Rows after them (short prefill chunks) run one by one. A kept row is stored
+        by one program per part: k by head REP * kh's first dv block, v by its own block, a and b by block 0."""
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
         start = tl.load(qsl_ptr + i).to(tl.int64)
         n = tl.load(qsl_ptr + i + 1).to(tl.int64) - start
-        n = tl.where(n > max_rows, 0, n)
+        if n > max_rows:  # fla's
+            return
         slot = tl.load(slots_ptr + i).to(tl.int64)
+        n_replay = tl.load(replay_ptr + i)
+        kept_in = p_ptr + tl.load(pend_ptr + 2 * i).to(tl.int64) * p_ss
+        keep_out = tl.load(pend_ptr + 2 * i + 1).to(tl.int64)
+        NV: tl.constexpr = NK * REP
+        A_OFF: tl.constexpr = NK * DK + NV * DV  # a's column in a kept row, then b's
         kh = h // REP
         a_log = tl.load(a_log_ptr + h).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
@@ -192,27 +248,40 @@ if HAS_TRITON:
         mv = offs_v < DV
         tile = offs_k[:, None] * s_sk + offs_v[None, :]
         mtile = mk[:, None] & mv[None, :]
+        s_tile = state_ptr + slot * s_ss + h * s_sh + tile
         r = tl.arange(0, WP)
         rows = start + r
         live = (r < n) & (r < W)
-        qw = tl.load(q_ptr + (rows * q_st + kh * q_sh)[:, None] + offs_k[None, :], mask=live[:, None] & mk[None, :],
-                     other=0.0).to(tl.float32)
-        kw = tl.load(k_ptr + (rows * k_st + kh * k_sh)[:, None] + offs_k[None, :], mask=live[:, None] & mk[None, :],
-                     other=0.0).to(tl.float32)
-        vw = tl.load(v_ptr + (rows * v_st + h * v_sh)[:, None] + offs_v[None, :], mask=live[:, None] & mv[None, :],
-                     other=0.0).to(tl.float32)
+        replayed = (r < n_replay) & (r < W)
+        k_raw = _rows(k_ptr, rows, k_st, kh * k_sh, offs_k, live, mk)
+        v_raw = _rows(v_ptr, rows, v_st, h * v_sh, offs_v, live, mv)
+        qw = _l2_normalize(_rows(q_ptr, rows, q_st, kh * q_sh, offs_k, live, mk), eps) * scale
+        kw = _l2_normalize(k_raw, eps)
         gw, bw = _row_gates(a_ptr, b_ptr, rows, a_st, b_st, h, a_log, dt_bias, live)
-        qw = qw * (tl.rsqrt(tl.sum(qw * qw, axis=1) + eps) * scale)[:, None]
-        kw = kw * tl.rsqrt(tl.sum(kw * kw, axis=1) + eps)[:, None]
-        s = tl.load(state_ptr + slot * s_ss + h * s_sh + tile, mask=mtile, other=0.0).to(tl.float32)  # [BK, BV]
-        tl.debug_barrier()  # the read slot may be one this program overwrites below
+        kp = _l2_normalize(_rows(kept_in, r, p_sr, kh * DK, offs_k, replayed, mk), eps)
+        vp = _rows(kept_in, r, p_sr, NK * DK + h * DV, offs_v, replayed, mv)
+        gp, bp = _row_gates(kept_in + A_OFF, kept_in + A_OFF + NV, r, p_sr, p_sr, h, a_log, dt_bias, replayed)
+        s = tl.load(s_tile, mask=mtile, other=0.0).to(tl.float32)  # [BK, BV]
+        tl.debug_barrier()  # every thread has read the slot before any overwrites it
+        for j in tl.static_range(W):  # the accepted rows of the request's previous step
+            if j < n_replay:
+                s = _delta_update(s, _row(kp, r, j), _row(vp, r, j), _at(gp, r, j), _at(bp, r, j))
+        if keep_out >= 0:  # speculative rows: the state before them is stored, they are kept for the replay
+            tl.store(s_tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
+            dst = p_ptr + keep_out * p_ss + r * p_sr
+            p_dt = p_ptr.dtype.element_ty
+            if vb == 0:
+                if h % REP == 0:
+                    tl.store(dst[:, None] + (kh * DK + offs_k)[None, :], k_raw.to(p_dt),
+                             mask=live[:, None] & mk[None, :])
+                tl.store(dst + A_OFF + h, tl.load(a_ptr + rows * a_st + h, mask=live), mask=live)
+                tl.store(dst + A_OFF + NV + h, tl.load(b_ptr + rows * b_st + h, mask=live), mask=live)
+            tl.store(dst[:, None] + (NK * DK + h * DV + offs_v)[None, :], v_raw.to(p_dt),
+                     mask=live[:, None] & mv[None, :])
         for j in tl.static_range(W):
-            s, ov = _delta_step(s, _row(qw, r, j), _row(kw, r, j), _row(vw, r, j), tl.sum(tl.where(r == j, gw, 0.0)),
-                                tl.sum(tl.where(r == j, bw, 0.0)))
+            s = _delta_update(s, _row(kw, r, j), _row(v_raw, r, j), _at(gw, r, j), _at(bw, r, j))
+            ov = tl.sum(s * _row(qw, r, j)[:, None], axis=0)
             tl.store(o_ptr + (start + j) * o_st + h * o_sh + offs_v, ov.to(o_ptr.dtype.element_ty), mask=mv & (j < n))
-            dst = tl.load(wslots_ptr + i * ws_st + j).to(tl.int64)
-            keep = (j < n) & ((j < W - 1) | (j == n - 1))  # the kept rows (`_kept_rows`)
-            tl.store(state_ptr + dst * s_ss + h * s_sh + tile, s.to(state_ptr.dtype.element_ty), mask=mtile & keep)
         j = n * 0 + W
         while j < n:
             t = start + j
@@ -222,29 +291,45 @@ if HAS_TRITON:
             kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + eps)
             vv = tl.load(v_ptr + t * v_st + h * v_sh + offs_v, mask=mv, other=0.0).to(tl.float32)
             gt, bt = _row_gates(a_ptr, b_ptr, t, a_st, b_st, h, a_log, dt_bias, True)
-            s, ov = _delta_step(s, qv, kv, vv, gt, bt)
+            s = _delta_update(s, kv, vv, gt, bt)
+            ov = tl.sum(s * qv[:, None], axis=0)
             tl.store(o_ptr + t * o_st + h * o_sh + offs_v, ov.to(o_ptr.dtype.element_ty), mask=mv)
-            if j == n - 1:  # the last row's state, to column W-1
-                last = tl.load(wslots_ptr + i * ws_st + W - 1).to(tl.int64)
-                tl.store(state_ptr + last * s_ss + h * s_sh + tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
             j += 1
+        if keep_out < 0:
+            tl.store(s_tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
 
-    @triton.jit(do_not_specialize=["T", "split", "ws_st"])
+    @triton.jit
+    def _earlier_inputs(cs_row, kept_in, pos, live, cols, mc, cs_sc, cs_sk, p_sr, K: tl.constexpr):
+        """[len(pos), BC] inputs from before this step's rows, at positions `pos` of (the slot's K-1 inputs, then
+        the replayed rows, kept in the pending buffer)."""
+        in_state = live & (pos < K - 1)
+        in_kept = live & (pos >= K - 1)
+        sv = tl.load(cs_row + cols[None, :] * cs_sc + pos[:, None] * cs_sk, mask=in_state[:, None] & mc[None, :],
+                     other=0.0)
+        kv = tl.load(kept_in + (pos - (K - 1))[:, None] * p_sr + cols[None, :], mask=in_kept[:, None] & mc[None, :],
+                     other=0.0)
+        return tl.where(in_state[:, None], sv, kv.to(sv.dtype))
+
+    @triton.jit(do_not_specialize=["T", "split", "p_ss"])
     def _causal_conv1d_kernel(
-        x_ptr, cs_ptr, w_ptr, o_ptr, qsl_ptr, slots_ptr, wslots_ptr,
-        x_st, cs_ss, cs_sc, cs_sk, w_sc, w_sk, ws_st, C, T, S0, S1, split,
+        x_ptr, cs_ptr, w_ptr, o_ptr, p_ptr, qsl_ptr, slots_ptr, replay_ptr, pend_ptr,
+        x_st, cs_ss, cs_sc, cs_sk, w_sc, w_sk, p_ss, p_sr, C, T, S0, S1, split,
         K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     ):
         """One program per (request, channel block, split); split p computes row tiles p, p+split, ... of its
-        request. Only tile 0 reads the slot's inputs (BT >= K-1 whenever there is more than one tile), and split 0
-        writes the kept states after all its reads. The output is planar: channels [0, S0), [S0, S1) and [S1, C)
-        are three contiguous [T, width] blocks one after another (S0 = S1 = C: one [T, C] block)."""
+        request. Only tile 0 reads the inputs from before the step (BT >= K-1 whenever there is more than one
+        tile), and split 0 writes the new state (and keeps the rows) after all its reads. The output is planar:
+        channels [0, S0), [S0, S1) and [S1, C) are three contiguous [T, width] blocks one after another
+        (S0 = S1 = C: one [T, C] block)."""
         i = tl.program_id(0)
         cb = tl.program_id(1)
         p = tl.program_id(2)
         start = tl.load(qsl_ptr + i).to(tl.int64)
         n = tl.load(qsl_ptr + i + 1).to(tl.int64) - start
-        slot = tl.load(slots_ptr + i).to(tl.int64)
+        cs_row = cs_ptr + tl.load(slots_ptr + i).to(tl.int64) * cs_ss
+        n_replay = tl.load(replay_ptr + i)
+        kept_in = p_ptr + tl.load(pend_ptr + 2 * i).to(tl.int64) * p_ss
+        keep_out = tl.load(pend_ptr + 2 * i + 1).to(tl.int64)
         c0 = cb * BC
         cols = c0 + tl.arange(0, BC)
         mc = cols < C
@@ -261,15 +346,14 @@ if HAS_TRITON:
             x_rows = x_ptr + (start + rows) * x_st
             acc = tl.zeros([BT, BC], dtype=tl.float32)
             for tap in tl.static_range(K):
-                m = rows + (tap - (K - 1))  # input index; < 0: from the slot's K-1 previous inputs
+                m = rows + (tap - (K - 1))  # input index; < 0: from before this step
                 from_x = (m >= 0) & mr
                 xv = tl.load((x_rows + (tap - (K - 1)) * x_st)[:, None] + cols[None, :],
                              mask=from_x[:, None] & mc[None, :], other=0.0).to(cs_dt)
-                if j0 < K - 1:  # the first tile: its first rows read the slot's inputs
-                    from_s = (m < 0) & mr
-                    sv = tl.load(cs_ptr + slot * cs_ss + cols[None, :] * cs_sc + (K - 1 + m)[:, None] * cs_sk,
-                                 mask=from_s[:, None] & mc[None, :], other=0.0)
-                    win = tl.where(from_x[:, None], xv, sv)
+                if j0 < K - 1:  # the first tile: its first rows read the inputs from before this step
+                    ev = _earlier_inputs(cs_row, kept_in, n_replay + (K - 1) + m, (m < 0) & mr, cols, mc, cs_sc,
+                                         cs_sk, p_sr, K)
+                    win = tl.where(from_x[:, None], xv, ev)
                 else:
                     win = xv
                 wt = tl.load(w_ptr + cols * w_sc + tap * w_sk, mask=mc, other=0.0).to(tl.float32)
@@ -280,23 +364,25 @@ if HAS_TRITON:
                      y.to(o_ptr.dtype.element_ty), mask=mr[:, None] & mc[None, :])
             j0 += split * BT
         if p == 0:
-            # The state after row j is inputs j-K+2 .. j. Column c < W-1 keeps row c (if c < n), column W-1 row
-            # n-1 (if n >= W). All kept states are loaded before any is stored: a write slot may be the read slot.
-            f = tl.arange(0, WP * KP)
-            c = f // KP
-            e = f % KP
-            keep = (c < W) & (e < K - 1) & (((c < W - 1) & (c < n)) | ((c == W - 1) & (n >= W)))
-            j = tl.where(c < W - 1, c, n - 1)
-            m = j - (K - 2) + e
-            xv = tl.load(x_ptr + (start + m)[None, :] * x_st + cols[:, None],
-                         mask=(keep & (m >= 0))[None, :] & mc[:, None], other=0.0).to(cs_dt)
-            sv = tl.load(cs_ptr + slot * cs_ss + cols[:, None] * cs_sc + (K - 1 + m)[None, :] * cs_sk,
-                         mask=(keep & (m < 0))[None, :] & mc[:, None], other=0.0)
-            vals = tl.where((m >= 0)[None, :], xv, sv)  # [BC, WP*KP]
-            dst = tl.load(wslots_ptr + i * ws_st + tl.minimum(c, W - 1)).to(tl.int64)
+            # The new state: the K-1 inputs up to the last committed one (the replayed rows, and this step's
+            # unless they are kept), at positions of (slot's K-1, replayed rows, this step's rows). All of it is
+            # loaded before anything is stored: the slot is read and written.
+            e = tl.arange(0, KP)
+            ke = e < K - 1
+            pos = n_replay + tl.where(keep_out >= 0, 0, n) + e
+            xi = pos - (K - 1) - n_replay  # this step's row at that position
+            from_x = ke & (xi >= 0)
+            xv = tl.load(x_ptr + (start + xi)[:, None] * x_st + cols[None, :], mask=from_x[:, None] & mc[None, :],
+                         other=0.0).to(cs_dt)
+            vals = tl.where(from_x[:, None], xv, _earlier_inputs(cs_row, kept_in, pos, ke & (xi < 0), cols, mc,
+                                                                 cs_sc, cs_sk, p_sr, K))  # [KP, BC]
+            r = tl.arange(0, WP)
+            keep = (r < n) & (r < W) & (keep_out >= 0)
+            kept = tl.load(x_ptr + (start + r)[:, None] * x_st + cols[None, :], mask=keep[:, None] & mc[None, :])
             tl.debug_barrier()
-            tl.store(cs_ptr + dst[None, :] * cs_ss + cols[:, None] * cs_sc + e[None, :] * cs_sk, vals,
-                     mask=keep[None, :] & mc[:, None])
+            tl.store(cs_row + cols[None, :] * cs_sc + e[:, None] * cs_sk, vals, mask=ke[:, None] & mc[None, :])
+            tl.store(p_ptr + keep_out * p_ss + r[:, None] * p_sr + cols[None, :], kept.to(p_ptr.dtype.element_ty),
+                     mask=keep[:, None] & mc[None, :])
 
 
 def _pow2(n: int) -> int:
@@ -308,7 +394,14 @@ def _lens(batch: ForwardBatch) -> list[int]:
     return [b - a for a, b in zip(qsl[:-1], qsl[1:])]
 
 
-def gated_delta_rule_triton(q, k, v, gates: Gates, state, batch: ForwardBatch, out=None, max_rows=None,
+def _pending_metadata(batch: ForwardBatch, pending: torch.Tensor) -> int:
+    """Checks what the kernels read of the batch's pending metadata; returns W, the rows a buffer keeps."""
+    assert batch.state_pending.shape[1] == 2 and batch.state_pending.stride() == (2, 1)
+    assert pending.stride(2) == 1
+    return pending.shape[1]
+
+
+def gated_delta_rule_triton(q, k, v, gates: Gates, state, pending, batch: ForwardBatch, out=None, max_rows=None,
                             block_v=None, num_warps=None):
     """The recurrent kernel over every request with at most `max_rows` rows (all when None); the others' rows of
     `out` are left as they are. Returns out [T, nv, dv] in v's dtype. block_v, num_warps: the tiling (a benchmark's
@@ -324,32 +417,33 @@ def gated_delta_rule_triton(q, k, v, gates: Gates, state, batch: ForwardBatch, o
     todo = [n for n in lens if max_rows is None or n <= max_rows]
     if not todo or max(todo) == 0:
         return out
-    B, W = len(lens), batch.state_write_slots.shape[1]
+    B, W = len(lens), _pending_metadata(batch, pending)
     if block_v is None:  # enough programs to fill the GPU: 16-wide dv blocks when the batch is small
         block_v = min(32, _pow2(dv))
         while block_v > 16 and B * nv * triton.cdiv(dv, block_v) < 512:
             block_v //= 2
-    wslots = batch.state_write_slots
     grid = (B, nv, triton.cdiv(dv, block_v))
     _gdn_recurrent_kernel[grid](
-        q, k, v, a, b, gates.a_log, gates.dt_bias, state, out, batch.query_start_loc, batch.state_slots, wslots,
+        q, k, v, a, b, gates.a_log, gates.dt_bias, state, out, pending, batch.query_start_loc, batch.state_slots,
+        batch.state_replay, batch.state_pending,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), wslots.stride(0),
-        max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6,
-        REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W, WP=_pow2(W),
+        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), pending.stride(0),
+        pending.stride(1), max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6,
+        NK=nk, REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W, WP=_pow2(W),
         num_warps=num_warps or (8 if block_v >= 32 else 4),
     )
     return out
 
 
 def gated_delta_rule_fla(q, k, v, gates: Gates, state, batch: ForwardBatch, requests: list[int], out=None):
-    """fla's chunked kernel over `requests` (each longer than W rows): initial states gathered from their read
-    slots, final states written to column W-1 of their write slots; fills their rows of `out`. Without `out`,
-    the requests must be all the batch's rows: fla's own output is returned (no copy). The gates are computed by
-    their own launch here (prefill sizes: one launch more is nothing)."""
-    qsl, W = batch.query_start_loc_cpu, batch.state_write_slots.shape[1]
+    """fla's chunked kernel over `requests` (prefill chunks longer than FLA_MIN_ROWS rows, which neither replay
+    nor keep rows: the engine only keeps a verify step's rows): initial states gathered from their slots, final
+    states written back; fills their rows of `out`. Without `out`, the requests must be all the batch's rows:
+    fla's own output is returned (no copy). The gates are computed by their own launch here (prefill sizes: one
+    launch more is nothing)."""
+    qsl = batch.query_start_loc_cpu
     spans = [(qsl[i], qsl[i + 1]) for i in requests]
-    assert all(b - a > W for a, b in spans)
+    assert all(b - a > FLA_MIN_ROWS for a, b in spans)
     contiguous = all(spans[r][1] == spans[r + 1][0] for r in range(len(spans) - 1))
 
     def rows(x):
@@ -371,7 +465,7 @@ def gated_delta_rule_fla(q, k, v, gates: Gates, state, batch: ForwardBatch, requ
         scale=q.shape[2] ** -0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK,
     )
-    state[batch.state_write_slots[idx, W - 1]] = ht.to(state.dtype)
+    state[batch.state_slots[idx]] = ht.to(state.dtype)
     o = o[0].to(v.dtype)
     if out is None:
         assert contiguous and spans[0][0] == 0 and spans[-1][1] == v.shape[0]
@@ -384,20 +478,20 @@ def gated_delta_rule_fla(q, k, v, gates: Gates, state, batch: ForwardBatch, requ
     return out
 
 
-def gated_delta_rule_gpu(q, k, v, gates: Gates, state, batch: ForwardBatch, out=None):
+def gated_delta_rule_gpu(q, k, v, gates: Gates, state, pending, batch: ForwardBatch, out=None):
     """Recurrent kernel for requests of at most FLA_MIN_ROWS rows, fla's chunked kernel for longer ones (or the
     recurrent kernel for all when fla is missing)."""
     lens = _lens(batch)
     long = [i for i, n in enumerate(lens) if n > FLA_MIN_ROWS] if HAS_FLA else []
-    assert FLA_MIN_ROWS >= batch.state_write_slots.shape[1]
+    assert FLA_MIN_ROWS >= pending.shape[1]  # kept (verify) rows never go to fla
     if not long:
-        return gated_delta_rule_triton(q, k, v, gates, state, batch, out=out)
+        return gated_delta_rule_triton(q, k, v, gates, state, pending, batch, out=out)
     if out is None and len(long) == len(lens):  # a prefill of long prompts only: fla's output as it is
         return gated_delta_rule_fla(q, k, v, gates, state, batch, long)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if len(long) < len(lens):
-        gated_delta_rule_triton(q, k, v, gates, state, batch, out=out, max_rows=FLA_MIN_ROWS)
+        gated_delta_rule_triton(q, k, v, gates, state, pending, batch, out=out, max_rows=FLA_MIN_ROWS)
     return gated_delta_rule_fla(q, k, v, gates, state, batch, long, out)
 
 
@@ -412,9 +506,10 @@ def _planar(out: torch.Tensor, T: int, splits) -> torch.Tensor | tuple[torch.Ten
     return tuple(parts)
 
 
-def causal_conv1d_triton(x, conv_state, weight, batch: ForwardBatch, splits=None, out=None, block_c=None,
+def causal_conv1d_triton(x, conv_state, pending, weight, batch: ForwardBatch, splits=None, out=None, block_c=None,
                          split=None, block_t=None):
-    """x: [T, C]; conv_state: [slots, C, K-1]; weight: [C, K] -> silu(conv(x)) [T, C], states written in place.
+    """x: [T, C]; conv_state: [slots, C, K-1]; pending: [buffers, W, C]; weight: [C, K] -> silu(conv(x)) [T, C],
+    states written in place.
     `splits` (at most 3 channel widths summing to C): the parts, each a contiguous [T, width] view of `out`."""
     T, C = x.shape
     K = weight.shape[1]
@@ -429,7 +524,7 @@ def causal_conv1d_triton(x, conv_state, weight, batch: ForwardBatch, splits=None
     max_n = max(lens) if lens else 0
     if max_n == 0:
         return _planar(out, T, splits)
-    B, W = len(lens), batch.state_write_slots.shape[1]
+    B, W = len(lens), _pending_metadata(batch, pending)
     bt = block_t or min(8, _pow2(max_n))  # [8, 128] tiles: larger ones spilled registers on sm_90
     tiles = triton.cdiv(max_n, bt)
     assert tiles == 1 or bt >= K - 1
@@ -443,11 +538,10 @@ def causal_conv1d_triton(x, conv_state, weight, batch: ForwardBatch, splits=None
         while split < tiles and B * ncb * split < 8192:
             split *= 2
         split = min(split, _pow2(tiles))
-    wslots = batch.state_write_slots
     _causal_conv1d_kernel[(B, ncb, split)](
-        x, conv_state, weight, out, batch.query_start_loc, batch.state_slots, wslots,
-        x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), weight.stride(0),
-        weight.stride(1), wslots.stride(0), C, T, s0, s1, split,
+        x, conv_state, weight, out, pending, batch.query_start_loc, batch.state_slots, batch.state_replay,
+        batch.state_pending, x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        weight.stride(0), weight.stride(1), pending.stride(0), pending.stride(1), C, T, s0, s1, split,
         K=K, KP=_pow2(K - 1), W=W, WP=_pow2(W), BC=bc, BT=bt, num_warps=4,
     )
     return _planar(out, T, splits)
