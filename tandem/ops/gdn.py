@@ -418,10 +418,8 @@ def gated_delta_rule_triton(q, k, v, gates: Gates, state, pending, batch: Forwar
     if not todo or max(todo) == 0:
         return out
     B, W = len(lens), _pending_metadata(batch, pending)
-    if block_v is None:  # enough programs to fill the GPU: 16-wide dv blocks when the batch is small
-        block_v = min(32, _pow2(dv))
-        while block_v > 16 and B * nv * triton.cdiv(dv, block_v) < 512:
-            block_v //= 2
+    if block_v is None:  # the H200 sweep's best (prefill_ops.py --rows recurrent): wider, fewer-warp tiles with
+        block_v = min(64 if W > 1 and B * nv >= 512 else 32, _pow2(dv))  # verify rows, 32 x 4 warps for decode
     grid = (B, nv, triton.cdiv(dv, block_v))
     _gdn_recurrent_kernel[grid](
         q, k, v, a, b, gates.a_log, gates.dt_bias, state, out, pending, batch.query_start_loc, batch.state_slots,
@@ -430,7 +428,7 @@ def gated_delta_rule_triton(q, k, v, gates: Gates, state, pending, batch: Forwar
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), pending.stride(0),
         pending.stride(1), max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6,
         NK=nk, REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W, WP=_pow2(W),
-        num_warps=num_warps or (8 if block_v >= 32 else 4),
+        num_warps=num_warps or (2 if W > 1 else 4),
     )
     return out
 
