@@ -5,8 +5,10 @@ bf16 GEMM of the same shape; with the error of each variant against the fp64 ora
     python3 benchmarks/fp8_gemm.py [--rows 1,32,96,2048] [--sweep]
 
 Variants: the dispatch's choice (`w8a8_linear`, `fused_experts`) and, with --sweep, other tiles and K splits
-for the dense GEMMs and, for the experts, `group_dot`'s DOT 0 (e4m3 with Hopper's fast accumulation) and 2 (bf16
-upcast) against the default 1. Floor = bytes the call
+for the dense GEMMs at decode sizes, prefill tiles with `group_dot`'s DOT 0 (e4m3 with Hopper's fast
+accumulation inside each 128-wide group, as DeepSeek's and vLLM's block-FP8 GEMMs) and 1 (the default: promoted
+to fp32 every K = 32) at prefill sizes (the prefill GEMMs are compute-bound: there the bf16 column is the bar,
+not the floor), and for the experts DOT 0 and 2 (bf16 upcast) against the default 1. Floor = bytes the call
 must move (e4m3 weight and scales, activations in and out) at --bandwidth-gbs. The experts are the 35B-A3B's with
 its shared expert hosted as expert E (`Experts.host`), each token routed to it too, as at decode sizes.
 """
@@ -31,7 +33,7 @@ L2_BYTES = 50e6
 DENSE = [("gdn in_proj_qkvz", 12288, 2048, 30), ("gdn out_proj", 2048, 4096, 30),
          ("attn qkv", 9216, 2048, 11), ("attn o_proj", 2048, 4096, 11)]
 E, H, I, TOP_K = 256, 2048, 512, 8
-SWEEP = ("gdn in_proj_qkvz", "gdn out_proj")  # --sweep: these shapes, rows <= 32
+SWEEP = ("gdn in_proj_qkvz", "gdn out_proj")  # --sweep: these shapes, rows <= 32 or > 256
 
 
 def graph_time_us(fns, reps: int = 20) -> float:
@@ -92,10 +94,10 @@ def dense(rows, sweep, bw):
             t = graph_time_us([lambda i=i: fp8.w8a8_linear(x, qs[i], ss[i], BLOCK) for i in range(r)])
             tb = graph_time_us([lambda i=i: torch.nn.functional.linear(x, wb[i]) for i in range(len(wb))])
             best = ""
-            if sweep and m <= 32 and name in SWEEP:
+            if sweep and (m <= 32 or m > 256) and name in SWEEP:
                 results = []
                 for tiles in sweep_tiles(m, N):
-                    for dot in (1,):
+                    for dot in (0, 1) if m > 256 else (1,):
                         f = lambda i, tiles=tiles, dot=dot: fp8.w8a8_linear_triton(x, qs[i], ss[i], BLOCK,
                                                                                     tiles=tiles, dot=dot)
                         e = oracle_err(f(0), x, q, s)
@@ -112,6 +114,8 @@ def dense(rows, sweep, bw):
 
 
 def sweep_tiles(m, n):
+    if m > 256:  # prefill: (BLOCK_M, BLOCK_N, no split, warps, stages)
+        return [(128, 128, 1, 8, 3), (64, 128, 1, 4, 3), (128, 64, 1, 4, 4), (64, 64, 1, 4, 4), (128, 256, 1, 8, 3)]
     bms = [16] if m <= 16 else [32, 64]
     return [(bm, bn, split, 4, 4) for bm in bms for bn in (32, 64) for split in (1, 2, 4, 8)]
 
@@ -140,7 +144,7 @@ def experts(tokens, sweep, bw):
         floor = touched * 3 * I * H * (1 + 4 / 128**2) / (bw * 1e9) * 1e6
         tf, tb = graph_time_us(fns), graph_time_us(fns_b)
         if sweep:
-            for dot in (0, 2):
+            for dot in (0, 2):  # the default is 1
                 variants[f"dot{dot}"] = graph_time_us(
                     [lambda w=w, e=e, d=dot: moe.fused_experts_triton(x, qgu, qd, w, e, dot=d, **kw)
                      for w, e in routes])

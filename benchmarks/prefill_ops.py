@@ -135,7 +135,7 @@ def recurrent_rows(rep: Report, sweep: bool):
         pending = torch.randn(2 * (B + 1), rows, width, device=dev, dtype=dt)
         # the state read and written; q, k, v read; kept rows written and replayed rows read
         nbytes = 2 * B * NV * DK * DV * 4 + T * (2 * NK * DK + NV * DV) * 2 + (rows > 1) * B * (rows + replay) * width * 2
-        configs = [(None, None)] + ([(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)] if sweep else [])
+        configs = [(None, None)] + ([(bv, w) for bv in (16, 32, 64, 128) for w in (1, 2, 4, 8)] if sweep else [])
         for block_v, warps in configs:
             us = graph_us(lambda: gdn.gated_delta_rule_triton(q, k, v, gates, state, pending, batch,
                                                               block_v=block_v, num_warps=warps))
@@ -150,6 +150,19 @@ def align_rows(rep: Report, sweep: bool):  # no tilings to sweep
             fn = lambda: moe.moe_align(experts, E, block_m, use_kernel)  # noqa: E731
             rep.row(f"align T={T} pairs={T * TOP_K} {'kernel' if use_kernel else 'torch reference'}",
                     device_us(fn), experts.numel() * 8 * 3, extra=f"host {host_us(fn):.0f} us a call")
+        if T * TOP_K <= moe.ALIGN_CHUNK:  # ranked routing: the routing kernel's counters give counts and ranks
+            logits = torch.randn(T, E, device="cuda")
+
+            def ranked():
+                w, e, ranks = moe.route_logits(logits, TOP_K, True, ranked=True)
+                moe.moe_align(e, E, block_m, ranks=ranks)
+                moe.routing_counters(logits.device, E).zero_()  # what the gate/up kernel does
+
+            rep.row(f"route + ranked align + zeroing T={T} pairs={T * TOP_K}", graph_us(ranked),
+                    experts.numel() * 8 * 3)
+            rep.row(f"route + align T={T} pairs={T * TOP_K}",
+                    graph_us(lambda: moe.moe_align(moe.route_logits(logits, TOP_K, True)[1], E, block_m)),
+                    experts.numel() * 8 * 3)
 
 
 def experts_rows(rep: Report, sweep: bool):

@@ -208,6 +208,9 @@ def test_hosted_shared_expert_through_the_kernels(monkeypatch):
     assert parts.shape == (7, cfg.num_experts_per_tok + 1, cfg.hidden_size)
     total, _ = norm.add_rms_norm_1p_triton(h, parts, model.model.layers[1].input_layernorm.weight, 1e-6)
     assert (total - ref_block(x)).abs().max() <= 1e-5
+    # the routing was ranked (its counters' atomics), and the block left the counters at zero for the next one
+    assert not moe.routing_counters(x.device, 2).any()
+    assert torch.equal(block(x), parts)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -202,6 +202,43 @@ def test_route_kernel_with_the_shared_expert_cpu_interpreter(top_k):
     assert torch.equal(e_t, e) and (w_t - w).abs().max() <= 1e-6
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_ranked_routing_cpu_interpreter(shared):
+    """Ranked routing (the routing kernel counts each pair into its expert's counter by an atomic add): the same
+    weights and experts as unranked routing, each expert's ranks 0..count-1 once each and its counter at its
+    count; the align puts each pair at its expert's segment start plus its rank, with the unranked layout's total,
+    padding and block owners; the experts' outputs equal the unranked ones; and the counters are back at zero
+    afterwards, so a second layer in a row gets the same."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter case runs where there is no GPU")
+    T, E, top_k, H, I, bm = 37, 16, 4, 64, 32, 16
+    E_all = E + shared
+    g = torch.Generator().manual_seed(40 + shared)
+    x, gate_up = torch.randn(T, H, generator=g), torch.randn(E_all, 2 * I, H, generator=g) / H**0.5
+    down = torch.randn(E_all, H, I, generator=g) / I**0.5
+    counters = moe.routing_counters(torch.device("cpu"), 32)
+    for layer in range(2):
+        logits, shared_logit = torch.randn(T, E, generator=g), torch.randn(T, 1, generator=g) if shared else None
+        w, e = moe.route_logits_triton(logits, top_k, True, shared_logit)
+        w_r, e_r, ranks = moe.route_logits_triton(logits, top_k, True, shared_logit, ranked=True)
+        assert torch.equal(w_r, w) and torch.equal(e_r, e)
+        counts = torch.bincount(e.reshape(-1), minlength=E_all)
+        assert torch.equal(counters[:E_all].long(), counts) and not counters[E_all:].any()
+        for ex in range(E_all):
+            assert sorted(ranks[e == ex].tolist()) == list(range(int(counts[ex])))
+        ids, owners, total = moe.moe_align(e, E_all, bm, ranks=ranks)
+        ref_ids, ref_owners, ref_total = moe.moe_align(e, E_all, bm, use_kernel=False)
+        tot, n = int(total), e.numel()
+        assert tot == int(ref_total) and torch.equal(owners[: tot // bm], ref_owners[: tot // bm])
+        padded = (counts + bm - 1) // bm * bm
+        at = (padded.cumsum(0) - padded)[e.reshape(-1)] + ranks.reshape(-1).long()  # segment start + rank
+        assert torch.equal(ids[at].long(), torch.arange(n))
+        assert torch.equal(ids[:tot] == n, ref_ids[:tot] == n)  # the padding where the unranked layout has it
+        got = run(x, gate_up, down, w_r, e_r, ranks=ranks)
+        assert not counters.any(), "the gate/up kernel leaves the counters at zero"
+        assert torch.equal(got, run(x, gate_up, down, w, e))
+
+
 def test_dispatch_cpu_takes_reference():
     x, gate_up, down, weights, experts, router = make_case(5, 8, 2, 64, 32, seed=1)
     assert torch.equal(moe.fused_experts(x, gate_up, down, weights, experts),
@@ -277,17 +314,20 @@ def test_fused_experts_gpu_skewed():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,align_kernel", [(1, True), (32, True), (32, False), (200, True), (1500, True)])
-def test_moe_cuda_graph_replay(T, align_kernel):
+@pytest.mark.parametrize("T,align_kernel,ranked", [(1, True, False), (32, True, False), (32, False, False),
+                                                    (200, True, False), (1500, True, False), (1, True, True),
+                                                    (96, True, True)])
+def test_moe_cuda_graph_replay(T, align_kernel, ranked):
     """Route + experts captured once, replayed on new inputs: correct results prove nothing went through the host
-    (a sync would fail the capture). align_kernel=False captures the sort-based torch align as well."""
+    (a sync would fail the capture). align_kernel=False captures the sort-based torch align as well; `ranked`:
+    ranked routing, whose counters every replay must leave at zero for the next."""
     E, k, H, I = REAL["E"], REAL["top_k"], REAL["H"], REAL["I"]
     _, gate_up, down, _, _, router = make_case(T, E, k, H, I, "cuda", torch.bfloat16, seed=11)
     static_x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        w, e = moe.route(static_x, router, k, True)
-        return moe.fused_experts_triton(static_x, gate_up, down, w, e, align_kernel=align_kernel), w, e
+        w, e, ranks = moe.route_logits(torch.nn.functional.linear(static_x, router), k, True, ranked=ranked)
+        return moe.fused_experts_triton(static_x, gate_up, down, w, e, align_kernel=align_kernel, ranks=ranks), w, e
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -305,3 +345,4 @@ def test_moe_cuda_graph_replay(T, align_kernel):
         torch.cuda.synchronize()
         assert torch.equal(static_e, moe.route(static_x, router, k, True)[1])
         bf16_check(static_out, reference(static_x, gate_up, down, static_w, static_e))
+        assert not moe.routing_counters(static_x.device, 512).any()

@@ -17,6 +17,13 @@ CUDA graph:
    Up to 1024 pairs (decode, verify) several programs each place 64 pairs by their rank among their expert's
    earlier pairs; more pairs take a program per chunk of 1024, which sorts (expert, pair) keys in registers after
    a counting launch has made every chunk's histogram. A sort-based torch reference gives the same layout.
+   Ranked routing (`route_logits(..., ranked=True)`, up to 1024 pairs: the model's decode and verify steps): the
+   routing kernel counts each pair into its expert's counter by an atomic add, whose old value is the pair's rank,
+   so the align only places pairs (counting ranks was most of its time at verify sizes: 9 of 16 µs on the H200).
+   The order inside an expert's segment is then the atomics' (not pair order); no result depends on it, since
+   every pair's row is computed on its own and lands in the pair's own row of `buf`. The counters are one zeroed
+   buffer per device that every MoE layer shares (one after another on a stream); the gate/up kernel of a ranked
+   routing zeroes them again once the align has read them.
 3. `_moe_gate_up_kernel`: a grouped GEMM over (block, I tile): gathers the block's token rows of x, multiplies by
    the block's expert's gate and up rows (two fp32 accumulators) and writes SiLU(gate) * up to `inter [P_max, I]`.
    Only experts that received tokens own blocks, so at decode only the routed experts' weights are read.
@@ -48,10 +55,12 @@ if HAS_TRITON:
     from tandem.ops.fp8 import group_dot, quantize_activations_triton
 
     @triton.jit
-    def _route_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, E, stride_t, stride_s, TOP_K: tl.constexpr,
-                      K_P2: tl.constexpr, E_P2: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr):
+    def _route_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, counts_ptr, rank_out_ptr, E, stride_t, stride_s,
+                      TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORM: tl.constexpr,
+                      SHARED: tl.constexpr, RANKED: tl.constexpr):
         """One token: fp32 softmax over E logits, top-k by k rounds of arg-max (lowest index on ties), renorm.
-        SHARED: one more pair, expert E with weight sigmoid(shared logit)."""
+        SHARED: one more pair, expert E with weight sigmoid(shared logit). RANKED: each pair's rank among its
+        expert's pairs, from the expert's counter."""
         t = tl.program_id(0).to(tl.int64)
         ex = tl.arange(0, E_P2)
         valid = ex < E
@@ -77,6 +86,9 @@ if HAS_TRITON:
             top_e = tl.where(ks == TOP_K, E, top_e)
         tl.store(w_out_ptr + t * width + ks, top_w.to(w_out_ptr.dtype.element_ty), mask=ks < width)
         tl.store(e_out_ptr + t * width + ks, top_e, mask=ks < width)
+        if RANKED:
+            tl.store(rank_out_ptr + t * width + ks, tl.atomic_add(counts_ptr + top_e, 1, mask=ks < width),
+                     mask=ks < width)
 
     @triton.jit(do_not_specialize=["N"])
     def _moe_count_kernel(experts_ptr, counts_ptr, N, E_P2: tl.constexpr, CHUNK: tl.constexpr):
@@ -146,17 +158,21 @@ if HAS_TRITON:
             b += B_CHUNK
 
     @triton.jit(do_not_specialize=["N"])
-    def _moe_align_ranks_kernel(experts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, E_P2: tl.constexpr,
-                                N_P2: tl.constexpr, PAIRS: tl.constexpr, J_TILE: tl.constexpr,
-                                BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr):
+    def _moe_align_ranks_kernel(experts_ptr, counts_ptr, ranks_ptr, sorted_ptr, block_expert_ptr, total_ptr, N,
+                                E_P2: tl.constexpr, N_P2: tl.constexpr, PAIRS: tl.constexpr, J_TILE: tl.constexpr,
+                                BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr, RANKED: tl.constexpr):
         """The layout of `_moe_align_kernel` for up to N_P2 pairs (decode, verify) by several programs instead of
         one: each builds the whole histogram itself, places pairs [p * PAIRS, (p + 1) * PAIRS) at their expert's
         segment start plus their rank among that expert's earlier pairs (counted in [PAIRS, J_TILE] tiles: no
-        sort), and writes its share of the padding and of `block_expert`."""
+        sort), and writes its share of the padding and of `block_expert`. RANKED: the counts and ranks come from
+        the routing kernel's counters instead."""
         p = tl.program_id(0)
         pairs = tl.arange(0, N_P2)
-        counts = tl.histogram(tl.load(experts_ptr + pairs, mask=pairs < N, other=0).to(tl.int32), E_P2,
-                              mask=pairs < N)
+        if RANKED:
+            counts = tl.load(counts_ptr + tl.arange(0, E_P2))
+        else:
+            counts = tl.histogram(tl.load(experts_ptr + pairs, mask=pairs < N, other=0).to(tl.int32), E_P2,
+                                  mask=pairs < N)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, axis=0)
         total = tl.sum(padded, axis=0)
@@ -164,12 +180,15 @@ if HAS_TRITON:
             tl.store(total_ptr, total)
         i = p * PAIRS + tl.arange(0, PAIRS)
         e = tl.load(experts_ptr + i, mask=i < N, other=0).to(tl.int32)
-        rank = tl.zeros([PAIRS], tl.int32)
-        for j0 in tl.static_range(0, N_P2, J_TILE):
-            if j0 < (p + 1) * PAIRS:  # tiles wholly after this program's pairs count nothing
-                j = j0 + tl.arange(0, J_TILE)
-                ej = tl.load(experts_ptr + j, mask=j < N, other=E_P2).to(tl.int32)  # padding: no expert's
-                rank += tl.sum(((ej[None, :] == e[:, None]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
+        if RANKED:
+            rank = tl.load(ranks_ptr + i, mask=i < N, other=0)
+        else:
+            rank = tl.zeros([PAIRS], tl.int32)
+            for j0 in tl.static_range(0, N_P2, J_TILE):
+                if j0 < (p + 1) * PAIRS:  # tiles wholly after this program's pairs count nothing
+                    j = j0 + tl.arange(0, J_TILE)
+                    ej = tl.load(experts_ptr + j, mask=j < N, other=E_P2).to(tl.int32)  # padding: no expert's
+                    rank += tl.sum(((ej[None, :] == e[:, None]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
         tl.store(sorted_ptr + tl.gather(ends - padded, e, 0) + rank, i, mask=i < N)
         _pad_and_own(sorted_ptr, block_expert_ptr, counts, padded, ends, total, N, p, tl.num_programs(0), E_P2,
                      BLOCK_M, B_CHUNK)
@@ -184,14 +203,19 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["N_PAIRS"])
     def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr, N_PAIRS,
-                            stride_x, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                            counts_ptr, stride_x, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr):
+                            PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr,
+                            ZERO_COUNTS: tl.constexpr):
         """FP8: x is e4m3 with scales xs [T, KB] (quantised per token and group), w e4m3 with scales
         ws [E, 2 * IB, KB] (gate rows' scale rows, then up rows'); BLOCK_K is the group, so each K step rescales
-        its products once."""
+        its products once. ZERO_COUNTS (a ranked routing, whose align is done): the first program zeroes the
+        routing counters for the next layer."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        if ZERO_COUNTS > 0:
+            if (pid_m == 0) & (pid_n == 0):
+                tl.store(counts_ptr + tl.arange(0, ZERO_COUNTS), tl.zeros([ZERO_COUNTS], tl.int32))
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
         e, offs_m, pair, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, N_PAIRS, BLOCK_M)
@@ -285,28 +309,33 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize:
     return route_logits(F.linear(x, router_weight), top_k, renormalize)
 
 
-def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool, shared_logit: torch.Tensor | None = None):
+def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool, shared_logit: torch.Tensor | None = None,
+                 ranked: bool | None = None):
     """Router logits [T, E] -> (weights [T, top_k] in the logits' dtype, experts int64): fp32 softmax, top-k,
     optional renormalisation. (The model's router GEMM is fused with the shared expert's, so it passes logits.)
     With `shared_logit` [T, 1]: one more pair per token, expert E (the shared expert, see `Experts.host`) with
-    weight sigmoid(shared_logit), so both are [T, top_k + 1]."""
+    weight sigmoid(shared_logit), so both are [T, top_k + 1]. `ranked` given: a third result, each pair's rank
+    among its expert's pairs (int32, same shape) when `ranked` and the kernel path counted them (up to
+    ALIGN_CHUNK pairs), else None; ranks must go to `fused_experts` with these experts, which resets the
+    counters they came from."""
     if use_triton(logits):
-        return route_logits_triton(logits, top_k, renormalize, shared_logit)
-    return route_logits_torch(logits, top_k, renormalize, shared_logit)
+        return route_logits_triton(logits, top_k, renormalize, shared_logit, ranked)
+    out = route_logits_torch(logits, top_k, renormalize, shared_logit)
+    return out if ranked is None else (*out, None)
 
 
 def fused_experts(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None,
-                  block=None, shared=None, shared_logit=None, summed=True) -> torch.Tensor:
+                  block=None, shared=None, shared_logit=None, summed=True, ranks=None) -> torch.Tensor:
     """x: [T, H]; weights, experts: [T, top_k] -> [T, H]. FP8 experts: e4m3 `gate_up` / `down` with their
     scales and block (see `Experts`); activations are quantised per token and group of block[1] channels.
     `shared` [T, H] and `shared_logit` [T, 1]: plus the gated shared expert, sigmoid(shared_logit) * shared
     (the kernel path adds it in the pass that sums the experts' outputs). `summed=False` (no `shared`): the
     kernel path may return the weighted per-pair outputs [T, top_k, H] unsummed, for the next residual add to
-    sum (`add_rms_norm_1p` takes them): one launch fewer."""
+    sum (`add_rms_norm_1p` takes them): one launch fewer. `ranks`: from `route_logits(..., ranked=True)`."""
     fp8 = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, block=block)
     if use_triton(x):
         return fused_experts_triton(x, gate_up, down, weights, experts, **fp8, shared=shared,
-                                    shared_logit=shared_logit, summed=summed)
+                                    shared_logit=shared_logit, summed=summed, ranks=ranks)
     out = _fused_experts_torch(x, gate_up, down, weights, experts, **fp8)
     return out if shared is None else out + torch.sigmoid(shared_logit) * shared
 
@@ -356,20 +385,37 @@ def _fused_experts_torch(x, gate_up, down, weights, experts, gate_up_scale=None,
 
 # ---------------------------------------------------------------------------------------------------- triton
 
-def route_logits_triton(logits, top_k, renormalize, shared_logit=None):
+_ROUTING_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def routing_counters(device: torch.device, experts_p2: int) -> torch.Tensor:
+    """The zeroed int32 per-expert counters of ranked routing, one buffer per device that every MoE layer shares
+    (they run one after another on a stream, and each leaves them at zero). A larger buffer, when needed, is
+    added and the old ones kept: a captured CUDA graph may point at them."""
+    bufs = _ROUTING_COUNTERS.setdefault(torch.device(device), [])
+    if not bufs or bufs[-1].numel() < experts_p2:
+        bufs.append(torch.zeros(max(experts_p2, 512), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
+def route_logits_triton(logits, top_k, renormalize, shared_logit=None, ranked=None):
     T, E = logits.shape
     width = top_k + (shared_logit is not None)
     weights = torch.empty(T, width, dtype=logits.dtype, device=logits.device)
     experts = torch.empty(T, width, dtype=torch.int64, device=logits.device)
+    wanted, ranked = ranked is not None, bool(ranked) and 0 < T * width <= ALIGN_CHUNK  # more: sorting path
+    ranks = torch.empty(T, width, dtype=torch.int32, device=logits.device) if ranked else None
     if T:
         if logits.stride(1) != 1:
             logits = logits.contiguous()
         shared = logits if shared_logit is None else shared_logit
+        counts = routing_counters(logits.device, triton.next_power_of_2(E + 1)) if ranked else experts
         # the router's columns of the fused MoE projection are read in place (row stride of the fused output)
-        _route_kernel[(T,)](logits, shared, weights, experts, E, logits.stride(0), shared.stride(0), TOP_K=top_k,
-                            K_P2=triton.next_power_of_2(width), E_P2=triton.next_power_of_2(E),
-                            RENORM=renormalize, SHARED=shared_logit is not None, num_warps=1 if E <= 1024 else 4)
-    return weights, experts
+        _route_kernel[(T,)](logits, shared, weights, experts, counts, ranks if ranked else experts, E,
+                            logits.stride(0), shared.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(width),
+                            E_P2=triton.next_power_of_2(E), RENORM=renormalize, SHARED=shared_logit is not None,
+                            RANKED=ranked, num_warps=1 if E <= 1024 else 4)
+    return (weights, experts, ranks) if wanted else (weights, experts)
 
 
 def padded_size(n_pairs: int, num_experts: int, block_m: int) -> int:
@@ -378,13 +424,15 @@ def padded_size(n_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-worst // block_m) * block_m
 
 
-def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool = True, *, out=None):
+def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool = True, *, out=None,
+              ranks=None):
     """experts [T, top_k] -> (sorted_ids [P_max] int32, block_expert [P_max // block_m] int32, total [1] int32);
     see the module docstring. Nothing here waits for the device. The kernel leaves sorted_ids[total:] and
     block_expert[total // block_m:] unwritten (the GEMM kernels never read past total); only [0, total) and the
     first total // block_m blocks are the result. use_kernel=False: the torch reference. `out` (kernel only;
     tests): the three output buffers to fill in place instead of fresh torch.empty ones, so that a test can
-    pre-fill them and see what is left unwritten."""
+    pre-fill them and see what is left unwritten. `ranks` (kernel only): the pairs' ranks of a ranked routing,
+    whose counters the align reads (each expert's pairs then sit in the atomics' order, not in pair order)."""
     flat = experts.reshape(-1)
     n = flat.numel()
     p_max = padded_size(n, num_experts, block_m)
@@ -398,12 +446,15 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel:
             assert sorted_ids.shape == (p_max,) and block_expert.shape == (p_max // block_m,)
             assert total.shape == (1,) and {t.dtype for t in out} == {torch.int32}
         e_p2 = triton.next_power_of_2(num_experts)
+        assert ranks is None or 0 < n <= ALIGN_CHUNK
         if 0 < n <= ALIGN_CHUNK:
             n_p2 = max(16, triton.next_power_of_2(n))
             pairs = min(RANK_PAIRS, n_p2)
+            counts = routing_counters(flat.device, e_p2) if ranks is not None else flat
             _moe_align_ranks_kernel[(triton.cdiv(n, pairs),)](
-                flat.contiguous(), sorted_ids, block_expert, total, n, E_P2=e_p2, N_P2=n_p2, PAIRS=pairs,
-                J_TILE=min(128, n_p2), BLOCK_M=block_m, B_CHUNK=16, num_warps=4)
+                flat.contiguous(), counts, flat if ranks is None else ranks.reshape(-1), sorted_ids, block_expert,
+                total, n, E_P2=e_p2, N_P2=n_p2, PAIRS=pairs, J_TILE=min(128, n_p2), BLOCK_M=block_m, B_CHUNK=16,
+                RANKED=ranks is not None, num_warps=4)
         elif n:
             chunk = ALIGN_CHUNK
             n_chunks = triton.cdiv(n, chunk)
@@ -447,8 +498,8 @@ def _configs(n_pairs: int, num_experts: int):
 
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
-                         shared=None, shared_logit=None, summed=True, block_m=None, gate_up_cfg=None, down_cfg=None,
-                         align_kernel=True, buf=None, dot=1):
+                         shared=None, shared_logit=None, summed=True, ranks=None, block_m=None, gate_up_cfg=None,
+                         down_cfg=None, align_kernel=True, buf=None, dot=1):
     """The Triton path (see the module docstring). The keyword arguments after `summed` override tiling and the
     align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group."""
     T, H = x.shape
@@ -463,7 +514,7 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     x = x.contiguous() if x.stride(1) != 1 else x
     gate_up, down = gate_up.contiguous(), down.contiguous()
     route_w = weights.reshape(-1).contiguous()
-    sorted_ids, block_expert, total = moe_align(experts, E, bm, align_kernel)
+    sorted_ids, block_expert, total = moe_align(experts, E, bm, align_kernel, ranks=ranks)
     num_blocks = block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     fp8 = block is not None
@@ -473,11 +524,14 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     xq, xs = quantize_activations_triton(x, block[1]) if fp8 else (x, x)
     inter = torch.empty(sorted_ids.shape[0], inter_size, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = gu
+    e_p2 = triton.next_power_of_2(E)  # a ranked routing's counters, zeroed by the gate/up kernel once read
+    counts = routing_counters(x.device, e_p2) if ranks is not None else total
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, bn))](
-        xq, xs, gate_up, gate_up_scale if fp8 else gate_up, inter, sorted_ids, block_expert, total, n_pairs,
+        xq, xs, gate_up, gate_up_scale if fp8 else gate_up, inter, sorted_ids, block_expert, total, n_pairs, counts,
         xq.stride(0),
         TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
-        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, num_warps=warps, num_stages=stages)
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, ZERO_COUNTS=e_p2 if ranks is not None else 0,
+        num_warps=warps, num_stages=stages)
     if buf is None:
         buf = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
     inter_q, inter_s = quantize_activations_triton(inter, block[1], rows=total) if fp8 else (inter, inter)
