@@ -45,7 +45,7 @@ from tandem.config import ModelConfig  # noqa: E402
 from tandem.model.batch import ForwardBatch  # noqa: E402
 from tandem.model.loader import build_empty_model  # noqa: E402
 from tandem.model.presets import PRESETS  # noqa: E402
-from tandem.ops import attention, fp8, gdn, moe, norm, pointwise, rope  # noqa: E402
+from tandem.ops import attention, fp8, gdn, linear, moe, norm, pointwise, rope  # noqa: E402
 
 H200_SMS = 132
 H200_SHARED_PER_BLOCK = 232448  # bytes a block may opt into on sm_90 (227 KB)
@@ -83,7 +83,7 @@ def _record_compiles(found: dict):
 
 def _as_h200() -> None:
     """The dispatch takes the Triton path for these CPU tensors and sizes its grids for an H200's SMs."""
-    for module in (attention, fp8, gdn, moe, norm, pointwise, rope):
+    for module in (attention, fp8, gdn, linear, moe, norm, pointwise, rope):
         module.use_triton = lambda x: True
     attention._target_programs = lambda device: attention.PROGRAMS_PER_SM * H200_SMS
     fp8._sm_count = lambda device: H200_SMS

@@ -155,7 +155,8 @@ class Engine:
     def warm_up(self) -> None:
         """Compiles the prefill kernels before serving (on a GPU the first step of a new kind otherwise waits
         seconds for Triton to compile and autotune). The prompts reach every tiling the prefill cores pick:
-        a full-budget chunk; 1, 2, 3 and 5 rows (the decode tilings of attention and the conv's row tiles); the
+        a full-budget chunk; 1, 2, 3 and 5 rows (the decode tilings of attention and the conv's row tiles); 48
+        rows (the widest row tile of the skinny projections, `tandem/ops/linear.py`); the
         fewest rows of attention's prefill tiling, one tile when its tiles are that tall; a short and a long
         request together (GDN's recurrent and chunked kernels in one step); last chunks of 1, 2, 3, 5, 9 and 20
         rows on a long context (split-K in every tiling); and 2, 4, 8 and 16 one-token prompts (what depends on the
@@ -166,7 +167,7 @@ class Engine:
         budget = self.ecfg.max_num_batched_tokens
         room = self.ecfg.max_model_len - 2 - self.ecfg.num_speculative_tokens  # longest prompt with 2 tokens to go
         short = DECODE_MAX_Q + 1  # rows past attention's decode tiling
-        batches = [[min(budget, room)], [1], [2], [3], [5], [short], [64, 96]]
+        batches = [[min(budget, room)], [1], [2], [3], [5], [48], [short], [64, 96]]
         batches += [[1] * b for b in (2, 4, 8, 16)]  # steps of several requests: GDN's value blocks, MoE align chunks
         # the prompt of `room` rows ends with a chunk of `tail` rows: split-K on a long context in each decode tiling
         # (1, 2, 3 and 5 rows: one per power-of-two tile height) and in the prefill tiling, one tile and several

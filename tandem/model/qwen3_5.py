@@ -36,6 +36,7 @@ from tandem.model.batch import ForwardBatch
 from tandem.ops.attention import paged_attention
 from tandem.ops.fp8 import FP8_DTYPE, scale_shape, w8a8_linear
 from tandem.ops.gdn import Gates, causal_conv1d, gated_delta_rule
+from tandem.ops.linear import linear
 from tandem.ops.moe import fused_experts, route_logits
 from tandem.ops.norm import add_rms_norm_1p, gated_rms_norm, rms_norm_1p
 from tandem.ops.pointwise import sigmoid_gate, silu_mul
@@ -174,7 +175,7 @@ class _FusedGroup:
 
     def __call__(self, x):
         if self.scale_inv is None:
-            y = F.linear(x, self.weight)
+            y = linear(x, self.weight)
         else:
             y = w8a8_linear(x, self.weight, self.scale_inv, self.block)
         return y.split(self._sizes, dim=-1)[: len(self.rows)]  # views: no copies
