@@ -134,7 +134,8 @@ def recurrent_rows(rep: Report, sweep: bool):
         width = NK * DK + NV * DV + 2 * NV
         pending = torch.randn(2 * (B + 1), rows, width, device=dev, dtype=dt)
         # the state read and written; q, k, v read; kept rows written and replayed rows read
-        nbytes = 2 * B * NV * DK * DV * 4 + T * (2 * NK * DK + NV * DV) * 2 + (rows > 1) * B * (rows + replay) * width * 2
+        nbytes = (2 * B * NV * DK * DV * 4 + T * (2 * NK * DK + NV * DV) * 2
+                  + (rows > 1) * B * (rows + replay) * width * 2)
         configs = [(None, None)] + ([(bv, w) for bv in (16, 32, 64, 128) for w in (1, 2, 4, 8)] if sweep else [])
         for block_v, warps in configs:
             us = graph_us(lambda: gdn.gated_delta_rule_triton(q, k, v, gates, state, pending, batch,
@@ -179,6 +180,13 @@ def experts_rows(rep: Report, sweep: bool):
         rep.row(f"experts T={T} (touched {touched}) eager", device_us(fn), nbytes, flops,
                 extra=f"host {host_us(fn):.0f} us a call")
         rep.row(f"experts T={T} graph", graph_us(fn), nbytes, flops)
+        if sweep and T <= 96:  # decode sizes: one config changed at a time from the dispatch's (N tiles, warps)
+            bm, gu0, dn0 = moe._configs(T * TOP_K, E)
+            for gu, dn in [(gu, dn0) for gu in ((16, 128, 4, 4), (64, 128, 4, 4), (32, 128, 2, 4), (16, 128, 2, 5))] + \
+                          [(gu0, dn) for dn in ((32, 128, 4, 4), (128, 128, 4, 4), (64, 128, 2, 4))]:
+                us = graph_us(lambda: moe.fused_experts_triton(x, gate_up, down, weights, experts, block_m=bm,
+                                                               gate_up_cfg=gu, down_cfg=dn))
+                rep.row(f"experts T={T} gate_up={gu} down={dn}", us, nbytes, flops)
         if sweep and T >= 2048:
             for bm, gu, dn in [(64, (128, 64, 4, 3), (128, 64, 8, 3)), (64, (128, 64, 8, 3), (128, 64, 8, 3)),
                                (64, (64, 64, 4, 4), (128, 64, 8, 4)), (128, (64, 64, 8, 3), (128, 64, 8, 3)),
