@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.triton_utils import HAS_TRITON, use_triton
+from tandem.ops.triton_utils import HAS_TRITON, row_block, use_triton, zeroed_counters
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -217,27 +217,13 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-_TILE_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters of split-K tiles, one buffer per device that every GEMM shares (they run one
-    after another on a stream, and each leaves its counters at zero). A larger buffer, when needed, is added and
-    the old ones kept: a captured CUDA graph may point at them. (`_gemm_tiles` splits only grids of fewer than
-    two programs per SM, so the first buffer serves.)"""
-    bufs = _TILE_COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < tiles:
-        bufs.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def _gemm_tiles(M: int, N: int, KB: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, K splits, warps, stages). Few rows (decode): the GEMM streams the weight, so N tiles
     are narrowed, then K split, until there are about two programs per SM; many rows: large tiles for the
     tensor cores."""
     if M > 256:
         return 128, 128, 1, 8, 3
-    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+    bm = row_block(M)
     bn, split = 128, 1
     while bn > 32 and cdiv(M, bm) * cdiv(N, bn) < 2 * sms:
         bn //= 2
@@ -267,7 +253,8 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=1):
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     part, counts = (torch.empty(split, M, N, dtype=torch.float32, device=x.device),
-                    _tile_counters(x.device, grid[0] * grid[1])) if split > 1 else (out, out)
+                    # `_gemm_tiles` splits only grids of fewer than two programs per SM: 4096 counters serve
+                    zeroed_counters("split-K tiles", x.device, grid[0] * grid[1], 4096)) if split > 1 else (out, out)
     _w8a8_kernel[grid](xq, xs, w, scale_inv, out, part, counts, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1],
                        BLOCK_M=bm, BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot, num_warps=warps,
                        num_stages=stages)

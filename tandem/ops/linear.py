@@ -10,7 +10,7 @@ second launch (deterministic). Anything larger -- or not on CUDA -- is `F.linear
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.triton_utils import HAS_TRITON, use_triton
+from tandem.ops.triton_utils import HAS_TRITON, row_block, use_triton
 
 SKINNY_MAX_ROWS = 128  # decode and verify steps; prefill rows go to cuBLAS
 SKINNY_MAX_N = 1024
@@ -59,7 +59,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_m = 16 if M <= 16 else (32 if M <= 32 else 64)  # three variants cover every decode and verify size
+    block_m = row_block(M)
     block_n = 16  # many programs: each streams 16 weight rows
     _skinny_linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
         x2, w, out, M, N, x2.stride(0), w.stride(0), out.stride(0), K=K, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from tandem.ops.fp8 import w8a8_linear_torch
 from tandem.ops.pointwise import gated_sum, silu_mul_torch
-from tandem.ops.triton_utils import HAS_TRITON, use_triton
+from tandem.ops.triton_utils import HAS_TRITON, use_triton, zeroed_counters
 
 # (token, slot) pairs one align program sorts in registers; more pairs take more programs. Up to this many pairs
 # (decode, verify) the align ranks pairs instead, RANK_PAIRS a program
@@ -385,17 +385,9 @@ def _fused_experts_torch(x, gate_up, down, weights, experts, gate_up_scale=None,
 
 # ---------------------------------------------------------------------------------------------------- triton
 
-_ROUTING_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def routing_counters(device: torch.device, experts_p2: int) -> torch.Tensor:
-    """The zeroed int32 per-expert counters of ranked routing, one buffer per device that every MoE layer shares
-    (they run one after another on a stream, and each leaves them at zero). A larger buffer, when needed, is
-    added and the old ones kept: a captured CUDA graph may point at them."""
-    bufs = _ROUTING_COUNTERS.setdefault(torch.device(device), [])
-    if not bufs or bufs[-1].numel() < experts_p2:
-        bufs.append(torch.zeros(max(experts_p2, 512), dtype=torch.int32, device=device))
-    return bufs[-1]
+def routing_counters(device, experts_p2: int) -> torch.Tensor:
+    """The per-expert counters of ranked routing (every MoE layer's, `zeroed_counters`)."""
+    return zeroed_counters("moe routing", device, experts_p2, 512)
 
 
 def route_logits_triton(logits, top_k, renormalize, shared_logit=None, ranked=None):
