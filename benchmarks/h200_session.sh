@@ -5,7 +5,8 @@
 #     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [fp8] [serve] [pd]
 #     (no argument: tests step serve pd)
 #     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; STEP: step.py's arguments;
-#     OPS_ROWS: prefill_ops.py --rows;
+#     OPS_ROWS: prefill_ops.py --rows; SERVE_FLAGS: more `tandem serve` flags of the colocated runs, TAG: a suffix
+#     of their result names;
 #     TESTS: test files, TESTS_TIMEOUT: seconds per file (the whole GPU suite takes ~8 min: split it over calls);
 #     SPY=seconds: py-spy samples the decode worker during each serving run, from the wheel in $WHEELS)
 #
@@ -115,11 +116,11 @@ for part in $PARTS; do
     serve)  # colocated (the model fits once), k = 0 and k = 2 with emulated acceptance
         for k in $KS; do
             acc=(); [ $k -gt 0 ] && acc=(--emulated-acceptance 0.84,0.66)
-            serve_bench "colocated_k$k" --model $MODEL --dtype $DTYPE --prefill-workers 0 --max-num-seqs 64 \
-                --max-model-len 2048 --num-speculative-tokens $k "${acc[@]}" -- \
+            serve_bench "colocated_k$k${TAG:-}" --model $MODEL --dtype $DTYPE --prefill-workers 0 --max-num-seqs 64 \
+                --max-model-len 2048 --num-speculative-tokens $k "${acc[@]}" ${SERVE_FLAGS:-} -- \
                 --model $MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $OUT_LEN --ignore-eos \
                 --sweep-concurrency $SWEEP --num-prompts $PROMPTS --prompts-per-concurrency 4 --num-warmups 2 \
-                --plot-dir "$OUT/plots_k$k"
+                --plot-dir "$OUT/plots_k$k${TAG:-}"
         done ;;
     pd)  # prefill and decode worker on the same GPU: a preset that fits twice
         serve_bench "pd_k2" --model $PD_MODEL --dtype $DTYPE --prefill-workers 1 --decode-workers 1 \

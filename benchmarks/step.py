@@ -25,7 +25,8 @@ The floor is the bytes of one step at --bandwidth-gbs (4250 GB/s on the H200), w
 The MTP head's weights are not counted when k = 0 (it does not run). Conv states and KV writes are left out (small).
 
 Prefill (`--prefill COUNTxLEN,...`, k = 0): COUNT prompts of LEN random tokens added at once and stepped until every
-request has its first token, with max_num_batched_tokens = min(COUNT * LEN, 16384), on an engine whose CUDA
+request has its first token, with max_num_batched_tokens = min(COUNT * LEN, 16384) (or each of --prefill-budgets:
+a served step's chunk budget), on an engine whose CUDA
 graphs (the prefill graphs of up to 4096 rows) are captured first; timed on a second run of the same shapes (the
 first one compiles kernels; its time is printed too). Reports prompt tokens/s. With --hf-peer and no --prefill the
 shape is 32x256.
@@ -47,6 +48,7 @@ import argparse
 import datetime
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -223,11 +225,11 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
     return row
 
 
-def prefill_engine(cfg, model, args, count: int, length: int) -> tuple[Engine, float]:
-    """An engine for `count` prompts of `length` tokens, its CUDA graphs captured (as a serving worker does before
-    it takes requests); returns it and the capture's seconds."""
+def prefill_engine(cfg, model, args, count: int, length: int, budget: int) -> tuple[Engine, float]:
+    """An engine for `count` prompts of `length` tokens at a step budget of `budget` tokens, its CUDA graphs
+    captured (as a serving worker does before it takes requests); returns it and the capture's seconds."""
     ecfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=count, max_model_len=length + 8,
-                        max_num_batched_tokens=min(count * length, PREFILL_TOKEN_CAP))
+                        max_num_batched_tokens=budget)
     eng = Engine(cfg, model, ecfg)
     t0 = time.perf_counter()
     eng.capture_graphs()
@@ -385,7 +387,7 @@ def speedups(res: dict) -> dict:
     return dict(
         decode=[dict(batch=r["batch"], k=r["k"], speedup=r["tok_s"] / hf_decode_by_b[r["batch"]]["tok_s"])
                 for r in res["decode"] if r["batch"] in hf_decode_by_b],
-        prefill=[dict(count=r["count"], length=r["length"],
+        prefill=[dict(count=r["count"], length=r["length"], budget=r["budget"],
                       speedup=r["tok_s"] / hf_prefill_by_shape[(r["count"], r["length"])]["tok_s"])
                  for r in res["prefill"] if (r["count"], r["length"]) in hf_prefill_by_shape])
 
@@ -395,7 +397,7 @@ def print_summary(res: dict) -> None:
     hf_dec = {r["batch"]: r for r in hf["decode"]} if hf else {}
     hf_pre = {(r["count"], r["length"]): r for r in hf["prefill"]} if hf else {}
     sp_dec = {(r["batch"], r["k"]): r["speedup"] for r in sp.get("decode", [])}
-    sp_pre = {(r["count"], r["length"]): r["speedup"] for r in sp.get("prefill", [])}
+    sp_pre = {(r["count"], r["length"], r["budget"]): r["speedup"] for r in sp.get("prefill", [])}
     print("\n===== summary (docs/BENCHMARKS.md) =====")
     print(f"{m['date']}, commit `{m['commit']}`, {m['device_name']} ({m['device']}), torch {m['torch']}, "
           f"transformers {m['transformers']}.\n")
@@ -423,14 +425,14 @@ def print_summary(res: dict) -> None:
         print(line)
     if res["prefill"]:
         print("\nPrefill (k = 0), until every request has its first token:\n")
-        head = "| prompts | length | ms | prompt tok/s |" + (" HF ms | HF tok/s | speed-up |" if hf else "")
+        head = "| prompts | length | budget | ms | prompt tok/s |" + (" HF ms | HF tok/s | speed-up |" if hf else "")
         print(head)
         print("|" + "---:|" * (head.count("|") - 1))
         for r in res["prefill"]:
-            line = f"| {r['count']} | {r['length']} | {r['ms']:.1f} | {r['tok_s']:.0f} |"
+            line = f"| {r['count']} | {r['length']} | {r['budget']} | {r['ms']:.1f} | {r['tok_s']:.0f} |"
             if hf:
                 h = hf_pre[(r["count"], r["length"])]
-                line += f" {h['ms']:.1f} | {h['tok_s']:.0f} | {sp_pre[(r['count'], r['length'])]:.2f}x |"
+                line += f" {h['ms']:.1f} | {h['tok_s']:.0f} | {sp_pre[(r['count'], r['length'], r['budget'])]:.2f}x |"
             print(line)
     print("=====")
 
@@ -450,6 +452,8 @@ def main():
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the timed ones")
     ap.add_argument("--prefill", default="", help="prefill shapes COUNTxLENGTH, comma separated (e.g. 8x2048,32x256); "
                     f"with --hf-peer the default is {HF_DEFAULT_PREFILL}")
+    ap.add_argument("--prefill-budgets", default="", help="step token budgets to run each prefill shape at, comma "
+                    f"separated (default: min(count * length, {PREFILL_TOKEN_CAP}))")
     ap.add_argument("--hf-peer", action="store_true", help="also time Hugging Face transformers on the same model")
     ap.add_argument("--hf-repeats", type=int, default=3, help="HF generate calls of each length (the fastest counts)")
     ap.add_argument("--dtype", default="float32")
@@ -483,15 +487,17 @@ def main():
         for b in batch_sizes:
             res["decode"].append(tandem_decode(cfg, model, args, b, k, rates))  # prints its row
     if shapes:
-        print(f"\nprefill (k=0), token budget min(count*length, {PREFILL_TOKEN_CAP})")
-        print(f"{'prompts':>7} {'length':>6} {'steps':>5} {'ms':>10} {'prompt tok/s':>12}")
-        for count, length in shapes:
-            eng, capture_s = prefill_engine(cfg, model, args, count, length)
+        print(f"\nprefill (k=0), token budget {args.prefill_budgets or f'min(count*length, {PREFILL_TOKEN_CAP})'}")
+        print(f"{'prompts':>7} {'length':>6} {'budget':>6} {'steps':>5} {'ms':>10} {'prompt tok/s':>12}")
+        budgets = [int(b) for b in args.prefill_budgets.split(",")] if args.prefill_budgets else [None]
+        for (count, length), budget in itertools.product(shapes, budgets):
+            eng, capture_s = prefill_engine(cfg, model, args, count, length,
+                                            budget or min(count * length, PREFILL_TOKEN_CAP))
             cold = tandem_prefill(eng, cfg, args, count, length)  # the same shapes once: kernel compiles
             r = tandem_prefill(eng, cfg, args, count, length)
             r["first_run_ms"], r["capture_s"] = cold["ms"], capture_s
             res["prefill"].append(r)
-            print(f"{count:>7} {length:>6} {r['steps']:>5} {r['ms']:>10.1f} {r['tok_s']:>12.0f}   "
+            print(f"{count:>7} {length:>6} {r['budget']:>6} {r['steps']:>5} {r['ms']:>10.1f} {r['tok_s']:>12.0f}   "
                   f"(first run, compiling: {cold['ms']:.0f} ms; graphs captured in {capture_s:.1f} s)")
             if args.profile:
                 profile_prefill(eng, cfg, args, count, length)
@@ -534,7 +540,7 @@ def main():
         for r in res["speedup"]["decode"]:
             print(f"  decode batch {r['batch']:>3} k={r['k']}: {r['speedup']:.2f}x")
         for r in res["speedup"]["prefill"]:
-            print(f"  prefill {r['count']}x{r['length']}: {r['speedup']:.2f}x")
+            print(f"  prefill {r['count']}x{r['length']} (budget {r['budget']}): {r['speedup']:.2f}x")
 
     print_summary(res)
     if args.json:
