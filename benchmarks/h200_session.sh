@@ -73,6 +73,12 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
             "${bench[@]}" > "$OUT/$name.txt" 2>&1
         grep -E "Maximum request concurrency|Output token throughput|Mean TPOT|Mean TTFT|Acceptance length|Engine busy" \
             "$OUT/$name.txt" | sed "s/^/[$name] /"
+        # the step-time histograms (a few slow steps or all of them?), and the steps the worker logged as slow
+        for url in ${metrics//,/ }; do python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], \
+            timeout=10).read().decode())" "$url"; done > "$OUT/$name.metrics.txt" 2>&1
+        grep -E "^tandem:engine_step_seconds_(bucket|count).*mixed" "$OUT/$name.metrics.txt" | grep -v 'le="0.0' \
+            | sed "s/^/[$name] /" | head -30
+        grep "slow engine step" "$OUT/$name.serve.log" | head -10 | sed "s/^/[$name] /"
     else
         echo "[$name] the server did not come up; see $name.serve.log"; tail -5 "$OUT/$name.serve.log"
     fi

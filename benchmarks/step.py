@@ -24,6 +24,10 @@ The floor is the bytes of one step at --bandwidth-gbs (4250 GB/s on the H200), w
     B tokens (a lower bound: the first pass has 1 + accepted rows per request) and its KV once per request.
 The MTP head's weights are not counted when k = 0 (it does not run). Conv states and KV writes are left out (small).
 
+Mixed (`--mixed COUNTxLEN`, `--mixed-budget`): after each decode run, COUNT prompts of LEN tokens arrive while the
+batch decodes; the steps until each has its first token are timed (a second round; the first compiles), with
+their prompt tokens' rate beyond one decode step's time, and profiled under --profile.
+
 Prefill (`--prefill COUNTxLEN,...`, k = 0): COUNT prompts of LEN random tokens added at once and stepped until every
 request has its first token, with max_num_batched_tokens = min(COUNT * LEN, 16384) (or each of --prefill-budgets:
 a served step's chunk budget), on an engine whose CUDA
@@ -181,11 +185,13 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
     """One engine of `batch` requests: prefill, --warmup-steps, then --steps timed decode (k = 0) or verify steps."""
     # nobody finishes inside the timed (or --profile) steps, even accepting every draft, though the first requests
     # start decoding while the last ones still prefill
-    budget = max(2048, batch * (k + 1))
+    budget = max(args.mixed_budget if args.mixed else 2048, batch * (k + 1))
     prefill_steps = -(-batch * args.prompt_len // budget)
-    max_tokens = (prefill_steps + args.warmup_steps + args.steps + PROFILE_STEPS + 4) * (k + 1)
-    ecfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=batch,
-                        max_model_len=args.prompt_len + max_tokens + k + 8, max_num_batched_tokens=budget,
+    mixed_steps = 3 * (-(-args.mixed[0] * args.mixed[1] // (budget - batch * (k + 1))) + 1) if args.mixed else 0
+    max_tokens = (prefill_steps + args.warmup_steps + args.steps + PROFILE_STEPS + mixed_steps + 4) * (k + 1)
+    ecfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=batch + (args.mixed[0] if args.mixed else 0),
+                        max_model_len=max(args.prompt_len + max_tokens + k + 8, args.mixed[1] + k + 8 if args.mixed else 0),
+                        max_num_batched_tokens=budget,
                         num_speculative_tokens=k, emulated_acceptance=rates[:k] if k else None)
     eng = Engine(cfg, model, ecfg)
     eng.capture_graphs()  # every bucket now, so no capture falls into the timed or profiled steps
@@ -220,9 +226,62 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
           f"{row['tok_s']:>9.1f}{split}")
     if args.profile:
         profile_steps(eng, PROFILE_STEPS, args.device)
+    if args.mixed:
+        row["mixed"] = tandem_mixed(eng, cfg, args, batch, ms)
     for s in seqs:
         eng.abort(s.request_id)
     return row
+
+
+def tandem_mixed(eng, cfg, args, batch: int, decode_ms: float) -> dict:
+    """Mixed steps, as serving runs them: the running requests' decode (verify) rows plus the chunks of
+    --mixed COUNT prompts of LEN tokens arriving together, stepped until each prompt has its first token. Three
+    rounds: the first compiles, the second is timed, the third is profiled under --profile."""
+    count, length = args.mixed
+    rounds = []
+    for rnd in range(3 if args.profile else 2):
+        ids = [f"mixed-{rnd}-{i}" for i in range(count)]
+        for i, rid in enumerate(ids):
+            eng.add_request(rid, prompt(1000 * rnd + i, length, cfg.vocab_size),
+                            SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
+        waiting = [eng.sequences[r] for r in ids]
+
+        def run():
+            times = []
+            while any(not s.output_token_ids for s in waiting):
+                synchronize(args.device)
+                t0 = time.perf_counter()
+                eng.step()
+                synchronize(args.device)
+                times.append((eng.last_step.kind, eng.last_step.prompt_tokens, time.perf_counter() - t0))
+            return times
+
+        if rnd == 2:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                times = run()
+            events = prof.key_averages()
+            busy = sum(e.self_device_time_total for e in events) / 1e3
+            print(f"  mixed, profiled: {sum(t for _, _, t in times) * 1e3:.1f} ms wall over {len(times)} steps, "
+                  f"device busy {busy:.1f} ms")
+            print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
+        else:
+            times = run()
+        for r in ids:
+            eng.abort(r)
+        rounds.append(times)
+    mixed = [(n, t) for kind, n, t in rounds[1] if kind == "mixed"]
+    res = dict(count=count, length=length, budget=eng.ecfg.max_num_batched_tokens, steps=len(mixed),
+               step_ms=sum(t for _, t in mixed) / max(1, len(mixed)) * 1e3,
+               prompt_tokens=sum(n for n, _ in mixed), cold_ms=sum(t for _, _, t in rounds[0]) * 1e3)
+    # the prompt tokens' own rate: each mixed step less one decode step's time
+    extra = sum(t for _, t in mixed) - len(mixed) * decode_ms / 1e3
+    res["prompt_tok_s"] = res["prompt_tokens"] / extra if extra > 0 else float("inf")
+    print(f"  mixed: {len(mixed)} steps of {batch} decode requests + {res['prompt_tokens'] / max(1, len(mixed)):.0f} "
+          f"prompt tokens (budget {res['budget']}), {res['step_ms']:.1f} ms a step; prompt tokens at "
+          f"{res['prompt_tok_s']:.0f} tok/s beyond the decode step (first round, compiling: {res['cold_ms']:.0f} ms)")
+    return res
 
 
 def prefill_engine(cfg, model, args, count: int, length: int, budget: int) -> tuple[Engine, float]:
@@ -423,6 +482,15 @@ def print_summary(res: dict) -> None:
             line += (f" {h['step_ms']:.3f} | {h['tok_s']:.1f} | {sp_dec[(r['batch'], r['k'])]:.2f}x |" if h
                      else " – | – | – |")
         print(line)
+    mixed = [r for r in res["decode"] if "mixed" in r]
+    if mixed:
+        print("\nMixed steps (decode rows + arriving prompts' chunks, as served):\n")
+        print("| batch | k | prompts x length | budget | steps | step ms | decode step ms | prompt tok/s beyond decode |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in mixed:
+            m = r["mixed"]
+            print(f"| {r['batch']} | {r['k']} | {m['count']} x {m['length']} | {m['budget']} | {m['steps']} | "
+                  f"{m['step_ms']:.1f} | {r['step_ms']:.3f} | {m['prompt_tok_s']:.0f} |")
     if res["prefill"]:
         print("\nPrefill (k = 0), until every request has its first token:\n")
         head = "| prompts | length | budget | ms | prompt tok/s |" + (" HF ms | HF tok/s | speed-up |" if hf else "")
@@ -454,6 +522,10 @@ def main():
                     f"with --hf-peer the default is {HF_DEFAULT_PREFILL}")
     ap.add_argument("--prefill-budgets", default="", help="step token budgets to run each prefill shape at, comma "
                     f"separated (default: min(count * length, {PREFILL_TOKEN_CAP}))")
+    ap.add_argument("--mixed", type=lambda t: parse_shapes(t)[0], default=None, metavar="COUNTxLEN",
+                    help="after each decode run, time the mixed steps of COUNT prompts of LEN tokens arriving while "
+                    "the batch decodes (as served)")
+    ap.add_argument("--mixed-budget", type=int, default=2048, help="the step token budget of --mixed")
     ap.add_argument("--hf-peer", action="store_true", help="also time Hugging Face transformers on the same model")
     ap.add_argument("--hf-repeats", type=int, default=3, help="HF generate calls of each length (the fastest counts)")
     ap.add_argument("--dtype", default="float32")

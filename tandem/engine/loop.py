@@ -26,6 +26,7 @@ from concurrent.futures import Future
 import torch
 
 log = logging.getLogger(__name__)
+SLOW_STEP_SECONDS = 1.0  # a step this long is logged: the running requests all stalled for it
 
 
 class EngineLoop:
@@ -112,8 +113,13 @@ class EngineLoop:
                     finished = self.engine.step()
                 finally:
                     self._flush()  # the earlier step's outputs, if this one launched nothing (or failed first)
-                if self.metrics is not None and self.engine.last_step is not None:
-                    self.metrics.engine_step_seconds(self.engine.last_step.kind).observe(time.perf_counter() - t0)
+                seconds, shape = time.perf_counter() - t0, self.engine.last_step
+                if self.metrics is not None and shape is not None:
+                    self.metrics.engine_step_seconds(shape.kind).observe(seconds)
+                if seconds > SLOW_STEP_SECONDS and shape is not None:  # every running request waited this long
+                    log.warning("slow engine step: %.2f s (%d decode requests, %d prompt tokens); a kernel "
+                                "compiling while serving, or an oversized step budget", seconds, shape.decodes,
+                                shape.prompt_tokens)
             except Exception as e:
                 log.exception("engine step failed")
                 self._on_error(e, active)
