@@ -42,7 +42,7 @@ def main():
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: tandem.config.default_budget")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--k", type=int, default=2, help="MTP drafts per step")
     ap.add_argument("--acceptance", default="0.84,0.66", help="emulated acceptance per draft position")
     args = ap.parse_args()

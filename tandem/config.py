@@ -215,18 +215,6 @@ def _quantization(raw):
         raise ConfigError(str(e)) from None
 
 
-LARGE_GPU_BYTES = 70 * 2**30
-
-
-def default_budget(device: str) -> int:
-    """The step token budget when none is given: 8192 on a GPU of 70 GiB or more, 2048 elsewhere (vLLM's server
-    defaults). A prompt chunk's MoE pass reads nearly every expert's weights, ~64 GB a step on the 35B-A3B, and
-    the larger chunk spreads that over four times the tokens."""
-    if device.startswith("cuda") and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES:
-        return 8192
-    return 2048
-
-
 @dataclass
 class EngineConfig:
     """Engine knobs; names follow vLLM where vLLM has one."""
@@ -234,7 +222,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_model_len: int = 4096
-    max_num_batched_tokens: int | None = None  # the chunked-prefill token budget of one step (`default_budget`)
+    max_num_batched_tokens: int = 2048  # the chunked-prefill token budget of one step
     num_kv_blocks: int | None = None  # None: enough for max_num_seqs full-length sequences
     num_state_slots: int | None = None  # None: max_num_seqs (one a request)
     num_speculative_tokens: int = 0  # MTP drafts verified per decode step (0: no speculation)
@@ -254,8 +242,6 @@ class EngineConfig:
             from tandem.ops.triton_utils import HAS_TRITON, TORCH_OPS_ONLY
 
             self.cuda_graphs = self.device.startswith("cuda") and HAS_TRITON and not TORCH_OPS_ONLY
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_budget(self.device)
         for name in ("block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:

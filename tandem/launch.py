@@ -57,13 +57,12 @@ class Child:
 
 def _engine_argv(args) -> list[str]:
     argv = ["--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--max-model-len",
-            str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs), "--block-size", str(args.block_size),
+            str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
             "--num-speculative-tokens", str(args.num_speculative_tokens), "--log-level", args.log_level,
             "--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.num_kv_blocks:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.max_num_batched_tokens:
-        argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
     if args.emulated_acceptance:

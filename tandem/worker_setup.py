@@ -30,8 +30,7 @@ def add_engine_args(ap) -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="token budget of one step (default: 8192 on a GPU of 70 GiB or more, else 2048)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--num-speculative-tokens", type=int, default=2, help="MTP drafts per step (0: off)")

@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from tandem.config import ConfigError, EngineConfig, ModelConfig
+from tandem.config import ConfigError, ModelConfig
 from tandem.model.presets import PRESETS, preset_config
 
 
@@ -40,17 +40,3 @@ def test_real_shapes():
     c = preset_config("qwen3.5-35b-a3b")
     assert (c.num_layers, len(c.gdn_layers), len(c.attention_layers)) == (40, 30, 10)
     assert c.rotary_dim == 64 and c.num_experts == 256 and c.gdn_num_v_heads == 32
-
-
-@pytest.mark.parametrize("device,gib,budget", [("cpu", None, 2048), ("cuda:0", 141, 8192), ("cuda:1", 40, 2048)])
-def test_default_step_budget_follows_device_memory(monkeypatch, device, gib, budget):
-    seen = []
-
-    def properties(dev):
-        seen.append(dev)
-        return type("Props", (), {"total_memory": gib * 2**30})()
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
-    assert EngineConfig(device=device).max_num_batched_tokens == budget
-    assert seen == ([] if device == "cpu" else [device])
-    assert EngineConfig(device=device, max_num_batched_tokens=96).max_num_batched_tokens == 96

@@ -474,7 +474,7 @@ class LLM:
     per rank); this process is rank 0. `close()` (or leaving a `with` block, or exit) stops them."""
 
     def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str | None = None,
-                 max_num_seqs: int = 64, max_model_len: int = 4096, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int = 64, max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
                  block_size: int = 16, seed: int = 0, speculative_config: dict | None = None,
                  emulated_acceptance: tuple[float, ...] | None = None, tensor_parallel_size: int = 1,
                  cuda_graphs: bool | None = None):
