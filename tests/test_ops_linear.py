@@ -1,6 +1,6 @@
 """The skinny projection kernel (`tandem/ops/linear.py`) against F.linear: the interpreter at small sizes on the
 CPU (fp32, rows and outputs that fill no tile, K not a multiple of the K step, a row-strided input view), and the
-35B-A3B's router | gate and GDN b | a at decode and verify rows in bf16 on the GPU through the dispatch."""
+35B-A3B's router | gate and GDN b | a at decode and verify rows in bf16 on the GPU, with the dispatch's choice."""
 
 import pytest
 import torch
@@ -33,7 +33,8 @@ def test_skinny_gpu(rows, N):
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, 2048, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(N, 2048, device="cuda", generator=g) / 2048**0.5).to(torch.bfloat16)
-    got = linear.linear(x, w)
+    got = linear.skinny_linear_triton(x, w)
+    assert torch.equal(linear.linear(x, w), got if rows >= linear.SKINNY_MIN_ROWS else F.linear(x, w))
     want = x.double() @ w.double().T
     assert got.dtype == torch.bfloat16 and got.shape == (rows, N)
     assert ((got.double() - want).abs() / (x.double().abs() @ w.double().abs().T)).max() <= 2**-7

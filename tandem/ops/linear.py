@@ -1,10 +1,12 @@
 """Unquantised projections with few output rows at decode sizes: `linear(x, w) = x @ w^T`.
 
 The MoE block's router | shared-expert gate (257 outputs in the 35B-A3B) and, in an FP8 model, GDN's b | a (64)
-are 1 MB and 0.25 MB GEMMs. cuBLAS runs them split-K with a reduce launch: 7.1 + 1.7 µs at one row on the H200,
-~0.1 TB/s. Up to SKINNY_MAX_ROWS rows and SKINNY_MAX_N outputs `skinny_linear_triton` takes them instead: one
-program per (BLOCK_N outputs, BLOCK_M rows) streams its outputs' weight rows over K once, with no split and no
-second launch (deterministic). Anything larger -- or not on CUDA -- is `F.linear` (the reference).
+are 1 MB and 0.25 MB GEMMs. At verify sizes (96 rows) cuBLAS runs the router | gate split-K with a reduce
+launch, 10.5 µs on the H200. From SKINNY_MIN_ROWS to SKINNY_MAX_ROWS rows and up to SKINNY_MAX_N outputs
+`skinny_linear_triton` takes them instead, 6.2 µs there: one program per (BLOCK_N outputs, BLOCK_M rows) streams its
+outputs' weight rows over K once, with no split and no second launch (deterministic). At 1, 3 and 32 rows cuBLAS's
+GEMV-like kernels were faster (5.3-5.4 µs against 6.0-6.5: 17 programs of 16 outputs are too few to stream 1 MB).
+Everything else -- or not on CUDA -- is `F.linear` (the reference).
 """
 
 import torch
@@ -12,7 +14,8 @@ import torch.nn.functional as F
 
 from tandem.ops.triton_utils import HAS_TRITON, row_block, use_triton
 
-SKINNY_MAX_ROWS = 128  # decode and verify steps; prefill rows go to cuBLAS
+SKINNY_MIN_ROWS = 33  # the H200 profiles of 2026-12-05: cuBLAS up to 32 rows, this kernel at 96
+SKINNY_MAX_ROWS = 128  # verify steps; prefill rows go to cuBLAS
 SKINNY_MAX_N = 1024
 
 if HAS_TRITON:
@@ -45,7 +48,7 @@ if HAS_TRITON:
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T -> [..., N] in x's dtype."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if use_triton(x) and 0 < rows <= SKINNY_MAX_ROWS and w.shape[0] <= SKINNY_MAX_N:
+    if use_triton(x) and SKINNY_MIN_ROWS <= rows <= SKINNY_MAX_ROWS and w.shape[0] <= SKINNY_MAX_N:
         return skinny_linear_triton(x, w)
     return F.linear(x, w)
 
