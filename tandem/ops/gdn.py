@@ -310,18 +310,18 @@ if HAS_TRITON:
                      other=0.0)
         return tl.where(in_state[:, None], sv, kv.to(sv.dtype))
 
-    @triton.jit(do_not_specialize=["T", "split", "p_ss"])
+    @triton.jit(do_not_specialize=["T", "split", "p_ss", "req0"])
     def _causal_conv1d_kernel(
         x_ptr, cs_ptr, w_ptr, o_ptr, p_ptr, qsl_ptr, slots_ptr, replay_ptr, pend_ptr,
-        x_st, cs_ss, cs_sc, cs_sk, w_sc, w_sk, p_ss, p_sr, C, T, S0, S1, split,
+        x_st, cs_ss, cs_sc, cs_sk, w_sc, w_sk, p_ss, p_sr, C, T, S0, S1, split, req0,
         K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     ):
-        """One program per (request, channel block, split); split p computes row tiles p, p+split, ... of its
-        request. Only tile 0 reads the inputs from before the step (BT >= K-1 whenever there is more than one
+        """One program per (request req0 + i, channel block, split); split p computes row tiles p, p+split, ... of
+        its request. Only tile 0 reads the inputs from before the step (BT >= K-1 whenever there is more than one
         tile), and split 0 writes the new state (and keeps the rows) after all its reads. The output is planar:
         channels [0, S0), [S0, S1) and [S1, C) are three contiguous [T, width] blocks one after another
         (S0 = S1 = C: one [T, C] block)."""
-        i = tl.program_id(0)
+        i = req0 + tl.program_id(0)
         cb = tl.program_id(1)
         p = tl.program_id(2)
         start = tl.load(qsl_ptr + i).to(tl.int64)
@@ -530,16 +530,27 @@ def causal_conv1d_triton(x, conv_state, pending, weight, batch: ForwardBatch, sp
     while any(e % bc for e in ends[:-1]):  # a channel block lies in one part
         bc //= 2
     ncb = triton.cdiv(C, bc)
-    if split is None:
-        split = 1
-        # spread long prefill rows over more programs: a program's tiles run one after another, latency-bound
-        while split < tiles and B * ncb * split < 8192:
-            split *= 2
-        split = min(split, _pow2(tiles))
-    _causal_conv1d_kernel[(B, ncb, split)](
-        x, conv_state, weight, out, pending, batch.query_start_loc, batch.state_slots, batch.state_replay,
-        batch.state_pending, x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        weight.stride(0), weight.stride(1), pending.stride(0), pending.stride(1), C, T, s0, s1, split,
-        K=K, KP=_pow2(K - 1), W=W, WP=_pow2(W), BC=bc, BT=bt, num_warps=4,
-    )
+    # A mixed step's decode requests (one row tile each) come first: the prompt chunks after them are a launch of
+    # their own, so that the split spreads their row tiles over programs instead of counting the decode requests
+    # (32 decode requests and 2 prompts of ~1000 rows: split 4, each program walking ~30 tiles one by one).
+    cut = next((r for r, n in enumerate(lens) if n > bt), B) if split is None else B
+    for r0, r1 in ((0, cut), (cut, B)):
+        if r0 == r1:
+            continue
+        sub_split = split or _conv_split(r1 - r0, triton.cdiv(max(lens[r0:r1]), bt), ncb)
+        _causal_conv1d_kernel[(r1 - r0, ncb, sub_split)](
+            x, conv_state, weight, out, pending, batch.query_start_loc, batch.state_slots, batch.state_replay,
+            batch.state_pending, x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+            weight.stride(0), weight.stride(1), pending.stride(0), pending.stride(1), C, T, s0, s1, sub_split, r0,
+            K=K, KP=_pow2(K - 1), W=W, WP=_pow2(W), BC=bc, BT=bt, num_warps=4,
+        )
     return _planar(out, T, splits)
+
+
+def _conv_split(requests: int, tiles: int, channel_blocks: int) -> int:
+    """Programs per (request, channel block): long prompts' row tiles spread over up to ~8192 programs (a
+    program's tiles run one after another, latency-bound)."""
+    split = 1
+    while split < tiles and requests * channel_blocks * split < 8192:
+        split *= 2
+    return min(split, _pow2(tiles))
