@@ -2,11 +2,11 @@
 # One GPU session's measurements in one command: the GPU tests, the step benchmark (with the HF peer) and the
 # serving benchmarks, each writing its full output under $OUT (default ./h200-out) and printing a short summary.
 #
-#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [fp8] [serve] [pd]
+#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [mixed] [fp8] [serve] [pd]
 #     (no argument: tests step serve pd)
 #     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; STEP: step.py's arguments;
-#     OPS_ROWS: prefill_ops.py --rows; SERVE_FLAGS: more `tandem serve` flags of the colocated runs, TAG: a suffix
-#     of their result names;
+#     OPS_ROWS: prefill_ops.py --rows; MIXED_BUDGETS: the step budgets of the mixed part (default "2048 8192");
+#     SERVE_FLAGS: more `tandem serve` flags of the colocated runs, TAG: a suffix of their result names;
 #     TESTS: test files, TESTS_TIMEOUT: seconds per file (the whole GPU suite takes ~8 min: split it over calls);
 #     SPY=seconds: py-spy samples the decode worker during each serving run, from the wheel in $WHEELS)
 #
@@ -112,6 +112,13 @@ for part in $PARTS; do
     ops)  # the prefill-size kernels against their floors, with the tilings each dispatch could take instead
         timeout 300 python3 benchmarks/prefill_ops.py --sweep ${OPS_ROWS:+--rows $OPS_ROWS} > "$OUT/prefill_ops.txt" 2>&1
         cat "$OUT/prefill_ops.txt" ;;
+    mixed)  # the steps where prompts arrive while 32 requests verify (k = 2), at each step budget, profiled
+        for b in ${MIXED_BUDGETS:-2048 8192}; do
+            timeout 300 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE --batch-sizes 32 --k 2 \
+                --prompt-len 256 --steps 10 --mixed 16x1024 --mixed-budget $b --profile > "$OUT/mixed-$b.txt" 2>&1
+            grep -E "^ +32 |mixed:|mixed, profiled" "$OUT/mixed-$b.txt"
+            grep -A22 "mixed, profiled" "$OUT/mixed-$b.txt" | grep -E "^ +[_a-zA-Z]" | cut -c1-60,120-215
+        done ;;
     fp8)  # each FP8 GEMM and the FP8 experts at decode sizes against their floors and bf16
         timeout 400 python3 benchmarks/fp8_gemm.py --rows 1,32,96 --tokens 1,32,96 > "$OUT/fp8_gemm.txt" 2>&1
         cat "$OUT/fp8_gemm.txt" ;;
@@ -133,6 +140,6 @@ for part in $PARTS; do
             --max-num-seqs 32 --max-model-len 2048 --num-speculative-tokens 2 --emulated-acceptance 0.84,0.66 -- \
             --model $PD_MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $OUT_LEN --ignore-eos \
             --max-concurrency 32 --num-prompts $PROMPTS --num-warmups 2 ;;
-    *) echo "unknown part $part (tests, step, ops, profile, fp8, serve, pd)"; exit 2 ;;
+    *) echo "unknown part $part (tests, step, ops, profile, mixed, fp8, serve, pd)"; exit 2 ;;
     esac
 done
