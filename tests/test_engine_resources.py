@@ -68,16 +68,23 @@ def test_allocator_rejects_double_free():
 
 
 @pytest.mark.parametrize("prefill_only", [False, True])
-def test_warm_up_frees_everything_and_changes_no_output(prefill_only):
+@pytest.mark.parametrize("max_model_len", [64, 12])  # 12: the longest warm-up prompt (8) is under the budget
+def test_warm_up_frees_everything_and_changes_no_output(prefill_only, max_model_len):
     cfg = preset_config("tiny-moe")
     model = random_model(cfg, "cpu", torch.float32)
-    ecfg = EngineConfig(block_size=4, max_model_len=64, max_num_seqs=3, max_num_batched_tokens=16,
+    ecfg = EngineConfig(block_size=4, max_model_len=max_model_len, max_num_seqs=3, max_num_batched_tokens=16,
                         num_speculative_tokens=2)
 
     def first_tokens(warm):
         eng = Engine(cfg, model, ecfg, prefill_only=prefill_only)
         if warm:
+            prompt_rows = []
+            step = eng.step
+            eng.step = lambda: (step(), prompt_rows.append(eng.last_step.prompt_tokens))[0]
             eng.warm_up()
+            del eng.step
+            assert max(prompt_rows) == 16  # a step of the whole budget, of several prompts when they must be
+
             assert not eng.sequences and not eng.scheduler.running and not eng.scheduler.waiting
             assert eng.pools.blocks.num_used == 0 and eng.pools.slots.num_used == 0
         eng.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))

@@ -155,7 +155,7 @@ class Engine:
     def warm_up(self) -> None:
         """Compiles the prefill kernels before serving (on a GPU the first step of a new kind otherwise waits
         seconds for Triton to compile and autotune). The prompts reach every tiling the prefill cores pick:
-        a full-budget chunk; 1, 2, 3 and 5 rows (the decode tilings of attention and the conv's row tiles); 48
+        full-budget steps (and steps of every multiple of 2048 rows below the budget); 1, 2, 3 and 5 rows (the decode tilings of attention and the conv's row tiles); 48
         rows (the widest row tile of the skinny projections, `tandem/ops/linear.py`); the
         fewest rows of attention's prefill tiling, one tile when its tiles are that tall; a short and a long
         request together (GDN's recurrent and chunked kernels in one step); last chunks of 1, 2, 3, 5, 9 and 20
@@ -167,7 +167,14 @@ class Engine:
         budget = self.ecfg.max_num_batched_tokens
         room = self.ecfg.max_model_len - 2 - self.ecfg.num_speculative_tokens  # longest prompt with 2 tokens to go
         short = DECODE_MAX_Q + 1  # rows past attention's decode tiling
-        batches = [[min(budget, room)], [1], [2], [3], [5], [48], [short], [64, 96]]
+        # a step of the whole budget and one of every multiple of 2048 rows below it, each as prompts of at most
+        # `room` rows: fla autotunes its q/k L2 norm once per bucket of rows x key heads / 65536 (2048 rows at 32
+        # heads), 25 configs compiled while every running request waits; steps past the prefill graphs' largest
+        # bucket run eagerly
+        batches = [_prompts(n, room) for n in [*range(2048, budget, 2048), budget]]
+        if [min(budget, room)] not in batches:  # one prompt: what a step of few requests reaches
+            batches.append([min(budget, room)])
+        batches += [[1], [2], [3], [5], [48], [short], [64, 96]]
         batches += [[1] * b for b in (2, 4, 8, 16)]  # steps of several requests: GDN's value blocks, MoE align chunks
         # the prompt of `room` rows ends with a chunk of `tail` rows: split-K on a long context in each decode tiling
         # (1, 2, 3 and 5 rows: one per power-of-two tile height) and in the prefill tiling, one tile and several
@@ -465,6 +472,11 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs set: per prompt position, None for the first, else {token id: logprob} of
     # the top-n tokens and the prompt token (as vLLM's RequestOutput.prompt_logprobs, with floats for Logprob)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def _prompts(rows: int, longest: int) -> list[int]:
+    """Prompt lengths of at most `longest` that add up to `rows` (one warm-up step of that many rows)."""
+    return [longest] * (rows // longest) + ([rows % longest] if rows % longest else [])
 
 
 class LLM:
