@@ -4,7 +4,8 @@ bf16 GEMM of the same shape; with the error of each variant against the fp64 ora
 
     python3 benchmarks/fp8_gemm.py [--rows 1,32,96,2048] [--sweep]
 
-Variants: the dispatch's choice (`w8a8_linear`, `fused_experts`) and, with --sweep, other tiles and K splits
+Variants: the dispatch's choice (`w8a8_linear`, `fused_experts`; from 257 rows torch's block-scaled matmul when
+this torch has it, and then the Triton kernel's time beside it) and, with --sweep, other tiles and K splits
 for the dense GEMMs at decode sizes, prefill tiles with `group_dot`'s DOT 0 (e4m3 with Hopper's fast
 accumulation inside each 128-wide group, as DeepSeek's and vLLM's block-FP8 GEMMs) and 1 (the default: promoted
 to fp32 every K = 32) at prefill sizes (the prefill GEMMs are compute-bound: there the bf16 column is the bar,
@@ -104,8 +105,9 @@ def dense(rows, sweep, bw):
                         results.append((graph_time_us([lambda i=i: f(i) for i in range(r)]), tiles, dot, e))
                 results.sort(key=lambda z: z[0])
                 best = "  ".join(f"{u:.1f}us {t} dot{d} err {e:.1e}" for u, t, d, e in results[:3])
-            if sweep and m > 256:
-                best += "  " + scaled_mm_variants(x, q, s, qs, ss, r)
+            if m >= fp8.CUBLAS_MIN_ROWS and fp8.cublas_layout(x.device) is not None:  # the dispatch took torch's
+                tt = graph_time_us([lambda i=i: fp8.w8a8_linear_triton(x, qs[i], ss[i], BLOCK) for i in range(r)])
+                best = f"(torch's block-scaled matmul; the Triton kernel: {tt:.1f}us)  " + best
             print(f"{name:<18} {m:>5} {t:>8.1f} {floor:>7.1f} {t / floor:>6.1f} {err:>8.1e} {tb:>8.1f}  {best}")
             step_us[m][0] += per_step * t
             step_us[m][1] += per_step * floor
@@ -113,26 +115,6 @@ def dense(rows, sweep, bw):
     for m, (t, f, tb) in step_us.items():
         print(f"  M={m}: the dense FP8 GEMMs of one step take {t / 1e3:.3f} ms (floor {f / 1e3:.3f}, bf16 "
               f"{tb / 1e3:.3f})")
-
-
-def scaled_mm_variants(x, q, s, qs, ss, r) -> str:
-    """torch's block-scaled FP8 matmul (cuBLAS, 1x128 activation and 128x128 weight scales) for each layout of
-    the activation scales; the error, or why torch refused it."""
-    F = torch.nn.functional
-    if not hasattr(F, "scaled_mm"):
-        return "scaled_mm: not in this torch"
-    names = {n.lower().replace("_", ""): n for n in dir(F.ScalingType)}  # spelled BlockWise1x128 or Blockwise_1x128
-    rows, blocks = (getattr(F.ScalingType, names[n]) for n in ("blockwise1x128", "blockwise128x128"))
-    xq, xs = fp8.quantize_activations(x, BLOCK[1])
-    out = []
-    for layout, xs_l in (("xs row-major", xs), ("xs M-major", xs.t().contiguous().t())):
-        f = lambda i, xs_l=xs_l: F.scaled_mm(xq, qs[i].t(), xs_l, rows, ss[i], blocks, output_dtype=torch.bfloat16)
-        try:
-            e = oracle_err(f(0), x, q, s)
-            out.append(f"scaled_mm {layout}: {graph_time_us([lambda i=i: f(i) for i in range(r)]):.1f}us err {e:.1e}")
-        except Exception as exc:  # noqa: BLE001 - a refusal is a result here
-            out.append(f"scaled_mm {layout}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-    return "  ".join(out)
 
 
 def sweep_tiles(m, n):

@@ -97,6 +97,44 @@ def test_w8a8_reference_and_dispatch():
     assert ((out.reshape(6, 48).double() - exact).abs() <= 2**-4 * mag).all()
 
 
+def fake_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype):
+    """torch's block-scaled matmul as one layout convention would have it: activation scales M-major (others
+    refused), and the weight's scales read from their storage as a [K/128, N/128] grid, whatever view they come
+    in (so the weight's own [N/128, K/128] layout computes wrong values instead of failing)."""
+    if scale_a.stride(0) != 1:
+        raise RuntimeError("scale_a must be outer-dim major")
+    K, N = b.shape
+    grid = torch.as_strided(scale_b, (K // 128, N // 128), (N // 128, 1))  # the storage in row-major order
+    a64 = a.double() * scale_a.double().repeat_interleave(128, 1)
+    b64 = b.double() * grid.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return (a64 @ b64).to(output_dtype)
+
+
+@needs_interpreter
+def test_cublas_probe_keeps_the_layout_that_reproduces_the_kernel(monkeypatch):
+    monkeypatch.setattr(F, "scaled_mm", fake_scaled_mm)
+    # refused (activation scales as written); wrong values (the weight's scales as stored, and a transposed view
+    # of that storage); right (transposed into storage of their own)
+    assert fp8._probe_cublas(torch.device("cpu")) == (1, 2)
+    q, s = weight(256, 384, (128, 128), seed=3)
+    x = torch.randn(300, 384, generator=torch.Generator().manual_seed(4))
+    out = fp8.w8a8_linear_cublas(x, q, s, (1, 2))
+    check_linear(out, x, q, s, (128, 128), rtol=2e-6)
+
+
+@needs_interpreter
+def test_cublas_probe_falls_back_when_torch_refuses(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Invalid scaling configuration")
+
+    monkeypatch.setattr(F, "scaled_mm", refuse)
+    assert fp8._probe_cublas(torch.device("cpu")) is None
+    x, q = torch.empty(257, 256, dtype=torch.bfloat16), torch.empty(384, 256, dtype=fp8.FP8_DTYPE)
+    assert fp8._cublas_fits(x, q, (128, 128))
+    assert not fp8._cublas_fits(x[:256], q, (128, 128))  # decode and verify sizes: the Triton kernel
+    assert not fp8._cublas_fits(x.float(), q, (128, 128)) and not fp8._cublas_fits(x, q[:200], (128, 128))
+
+
 def fp8_experts(E, H, I, block, seed, device="cpu"):
     """Random experts in the model's FP8 layout: gate and up quantised apart (scale rows of their own)."""
     g = torch.Generator().manual_seed(seed)
@@ -163,6 +201,9 @@ def test_w8a8_gpu(M, N, K):
     out = fp8.w8a8_linear(x, q, s, block)
     check_linear(out, x, q, s, block, rtol=2**-8)
     assert torch.equal(fp8.w8a8_linear(x, q, s, block), out)  # split-K: counters reset, partials in fixed order
+    layout = fp8.cublas_layout(x.device)
+    if M >= fp8.CUBLAS_MIN_ROWS and layout is not None:  # the dispatch took torch's matmul: the kernel too
+        check_linear(fp8.w8a8_linear_triton(x, q, s, block), x, q, s, block, rtol=2**-8)
 
 
 @pytest.mark.gpu

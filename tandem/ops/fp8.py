@@ -15,14 +15,25 @@ At decode sizes (few rows) the GEMM is split over K so every SM streams weight; 
 finish (an arrival counter) adds the fp32 partials in split order, so the split costs no extra launch and stays
 deterministic. Quantising inside the GEMM instead cost each N tile a re-quantisation of
 the whole activation row, which made the GEMM 3-5x slower at decode.
+
+Prefill-size GEMMs (more than 256 rows) are compute-bound, and there the Triton kernel was slower than bf16's
+cuBLAS GEMM. They take torch's block-scaled FP8 matmul instead (`F.scaled_mm` with 1x128 activation and 128x128
+weight scales: cuBLAS on Hopper) when it is there and reproduces the Triton kernel on this device: the first
+such GEMM on a device (never inside a CUDA-graph capture) probes the layouts torch may want the scales in, on a
+small problem, and keeps the first one whose result matches (`cublas_layout`); none: the Triton kernel.
 """
 
 from __future__ import annotations
+
+import itertools
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from tandem.ops.triton_utils import HAS_TRITON, row_block, use_triton, zeroed_counters
+
+log = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -193,8 +204,93 @@ def quantize_activations_triton(x, group, rows=None):
 def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32) by an e4m3 weight w [N, K] with block scales -> [..., N] in x's dtype."""
     if use_triton(x):
+        if _cublas_fits(x, w, block) and (layout := cublas_layout(x.device)) is not None:
+            return w8a8_linear_cublas(x, w, scale_inv, layout)
         return w8a8_linear_triton(x, w, scale_inv, block)
     return w8a8_linear_torch(x, w, scale_inv, block)
+
+
+# ------------------------------------------------------------------------------ torch's block-scaled FP8 matmul
+
+CUBLAS_MIN_ROWS = 257  # up to 256 rows (decode, verify) the Triton kernel streams the weight
+# the layouts the scales may have to be in: activations' [M, K/128] as written or M-major; the weight's
+# [N/128, K/128] as stored, transposed, or transposed and contiguous (each the same storage: always in bounds)
+_A_LAYOUTS = (lambda s: s, lambda s: s.t().contiguous().t())
+_B_LAYOUTS = (lambda s: s, lambda s: s.t(), lambda s: s.t().contiguous())
+_CUBLAS_LAYOUT: dict[int, tuple[int, int] | None] = {}
+
+
+def _cublas_fits(x, w, block) -> bool:
+    N, K = w.shape
+    rows = x.numel() // K if K else 0
+    return (rows >= CUBLAS_MIN_ROWS and tuple(block) == (128, 128) and N % 128 == 0 and K % 128 == 0
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def _recipes():
+    """torch's (1x128, 128x128) scaling recipes, or None when this torch has no `F.scaled_mm`."""
+    kinds = getattr(F, "ScalingType", None)
+    if not hasattr(F, "scaled_mm") or kinds is None:
+        return None
+    names = {n.lower().replace("_", ""): n for n in dir(kinds)}  # spelled BlockWise1x128 or Blockwise_1x128
+    if "blockwise1x128" not in names or "blockwise128x128" not in names:
+        return None
+    return getattr(kinds, names["blockwise1x128"]), getattr(kinds, names["blockwise128x128"])
+
+
+def _scaled_mm(xq, xs, w, scale_inv, layout, out_dtype):
+    rows, blocks = _recipes()
+    return F.scaled_mm(xq, w.t(), _A_LAYOUTS[layout[0]](xs), rows, _B_LAYOUTS[layout[1]](scale_inv), blocks,
+                       output_dtype=out_dtype)
+
+
+def w8a8_linear_cublas(x, w, scale_inv, layout):
+    """x quantised by the group quantiser, then torch's block-scaled matmul with the scales in `layout`."""
+    N, K = w.shape
+    xq, xs = quantize_activations_triton(x.reshape(-1, K), 128)
+    return _scaled_mm(xq, xs, w, scale_inv, layout, x.dtype).view(*x.shape[:-1], N)
+
+
+def cublas_layout(device: torch.device) -> tuple[int, int] | None:
+    """The scale layouts under which torch's block-scaled matmul reproduces the Triton kernel on this device
+    (probed once per device, outside graph captures), or None: the Triton kernel."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CUBLAS_LAYOUT:
+        if torch.cuda.is_current_stream_capturing():
+            return None  # probe later, outside the capture
+        _CUBLAS_LAYOUT[index] = _probe_cublas(torch.device(device.type, index))
+    return _CUBLAS_LAYOUT[index]
+
+
+def _probe_cublas(device: torch.device) -> tuple[int, int] | None:
+    """Each layout on a 320 x 384 by 256 x 384 problem (non-square scale grids, so a transposed one shows),
+    against the Triton kernel, within half a bf16 ulp of the magnitudes |x| @ |w|."""
+    if _recipes() is None:
+        log.info("FP8 prefill GEMMs: the Triton kernel (this torch has no block-scaled F.scaled_mm)")
+        return None
+    g = torch.Generator(device=device).manual_seed(0)
+    # every scale block of a different magnitude, so a scale read from the wrong block shows
+    groups = torch.arange(1, 4, device=device, dtype=torch.float32).repeat_interleave(128)  # [384]
+    rows = torch.linspace(0.5, 2.0, 320, device=device)[:, None]
+    x = (torch.randn(320, 384, device=device, generator=g) * groups * rows).to(torch.bfloat16)
+    blocks = torch.tensor([[1.0, 2.0, 3.0], [5.0, 7.0, 11.0]], device=device)  # [N/128, K/128]
+    w_full = torch.randn(256, 384, device=device, generator=g) / 384**0.5
+    w, s = quantize_block_fp8(w_full * blocks.repeat_interleave(128, 0).repeat_interleave(128, 1))
+    want = w8a8_linear_triton(x, w, s, (128, 128)).float()
+    bound = 2**-8 * (x.float().abs() @ dequantize_block_fp8(w, s).float().abs().T) + 1e-6
+    xq, xs = quantize_activations_triton(x, 128)
+    refused = []
+    for layout in itertools.product(range(len(_A_LAYOUTS)), range(len(_B_LAYOUTS))):
+        try:
+            got = _scaled_mm(xq, xs, w, s, layout, torch.bfloat16).float()
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
+            refused.append(str(e).splitlines()[0][:100] if str(e) else type(e).__name__)
+            continue
+        if got.shape == want.shape and ((got - want).abs() <= bound).all():
+            log.info("FP8 prefill GEMMs: torch's block-scaled matmul (scale layouts %s)", layout)
+            return layout
+    log.info("FP8 prefill GEMMs: the Triton kernel (no scale layout reproduced it; refusals: %s)", refused[:2])
+    return None
 
 
 def w8a8_linear_torch(x, w, scale_inv, block):
