@@ -78,7 +78,7 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
             timeout=10).read().decode())" "$url"; done > "$OUT/$name.metrics.txt" 2>&1
         grep -E "^tandem:engine_step_seconds_(bucket|count).*mixed" "$OUT/$name.metrics.txt" | grep -v 'le="0.0' \
             | sed "s/^/[$name] /" | head -30
-        grep "slow engine step" "$OUT/$name.serve.log" | head -10 | sed "s/^/[$name] /"
+        grep -E "slow engine step|FP8 prefill GEMMs" "$OUT/$name.serve.log" | head -10 | sed "s/^/[$name] /"
     else
         echo "[$name] the server did not come up; see $name.serve.log"; tail -5 "$OUT/$name.serve.log"
     fi
