@@ -135,6 +135,26 @@ def test_cublas_probe_falls_back_when_torch_refuses(monkeypatch):
     assert not fp8._cublas_fits(x.float(), q, (128, 128)) and not fp8._cublas_fits(x, q[:200], (128, 128))
 
 
+@needs_interpreter
+def test_cublas_refusal_at_run_time_falls_back_to_the_kernel_for_good(monkeypatch):
+    calls = []
+
+    def refuse(*args):
+        calls.append(args)
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(fp8, "use_triton", lambda x: True)  # the GPU dispatch, on CPU tensors (the interpreter)
+    monkeypatch.setattr(fp8, "w8a8_linear_cublas", refuse)
+    monkeypatch.setitem(fp8._CUBLAS_LAYOUT, -1, (1, 2))
+    monkeypatch.setattr(fp8, "cublas_layout", lambda device: fp8._CUBLAS_LAYOUT[-1])
+    q, s = weight(128, 256, (128, 128), seed=5)
+    x = torch.randn(260, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    check_linear(fp8.w8a8_linear(x, q, s, (128, 128)), x, q, s, (128, 128), rtol=2**-8)
+    assert len(calls) == 1 and fp8._CUBLAS_LAYOUT[-1] is None
+    check_linear(fp8.w8a8_linear(x, q, s, (128, 128)), x, q, s, (128, 128), rtol=2**-8)
+    assert len(calls) == 1  # not asked again
+
+
 def fp8_experts(E, H, I, block, seed, device="cpu"):
     """Random experts in the model's FP8 layout: gate and up quantised apart (scale rows of their own)."""
     g = torch.Generator().manual_seed(seed)
