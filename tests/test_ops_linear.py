@@ -16,9 +16,11 @@ def test_skinny_kernel_cpu_interpreter(M, N, K):
     g = torch.Generator().manual_seed(M + N)
     x = torch.randn(M, K + 3, generator=g)[:, :K]  # rows K + 3 apart
     w = torch.randn(N, K, generator=g)
-    got = linear.skinny_linear_triton(x, w)
-    assert got.shape == (M, N)
-    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
+    want = (x.double() @ w.double().T).float()
+    for tiles in (None, (32, 64, 4, 2)):  # the default, and a benchmark's wider N and narrower K tile
+        got = linear.skinny_linear_triton(x, w, tiles)
+        assert got.shape == (M, N)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_dispatch_cpu_takes_reference():

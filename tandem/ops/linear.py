@@ -53,7 +53,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, tiles=None) -> torch.Tensor:
+    """The kernel; `tiles` = (BLOCK_N, BLOCK_K, warps, stages) overrides the default (16, 128, 4, 4) (benchmarks)."""
     K = x.shape[-1]
     N = w.shape[0]
     assert w.shape[1] == K and w.stride(1) == 1
@@ -63,8 +64,9 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_m = row_block(M)
-    block_n = 16  # many programs: each streams 16 weight rows
+    block_n, block_k, warps, stages = tiles or (16, 128, 4, 4)  # many programs: each streams 16 weight rows
     _skinny_linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
         x2, w, out, M, N, x2.stride(0), w.stride(0), out.stride(0), K=K, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=128, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=4)
+        BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
+        num_stages=stages)
     return out.view(*x.shape[:-1], N)
