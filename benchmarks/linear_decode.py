@@ -34,7 +34,8 @@ def main():
     ap.add_argument("--bandwidth-gbs", type=float, default=4250.0)
     a = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}; us per call in a CUDA graph; floor at {a.bandwidth_gbs:.0f} GB/s")
-    print(f"{'projection':<18} {'M':>3} {'floor':>6} {'cuBLAS':>7} {'skinny':>7}  best skinny tiles (N, K, warps, stages)")
+    print(f"{'projection':<18} {'M':>3} {'floor':>6} {'cuBLAS':>7} {'skinny':>7}  "
+          "best skinny tiles (N, K, warps, stages)")
     for name, N, K in SHAPES:
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for _ in range(copies(2 * N * K))]
         for m in (int(r) for r in a.rows.split(",")):

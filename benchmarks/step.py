@@ -130,38 +130,36 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def profile_steps(eng, steps: int, device: str) -> None:
-    """Device time per step against wall time (the gap is host overhead), and the kernels that take it."""
+def profiled(device: str, fn, rows: int = 30):
+    """fn() under torch's profiler -> (its result, device-busy ms, kernels launched, the top-`rows` table)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.startswith("cuda")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            eng.step()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        out = fn()
         synchronize(device)
     events = prof.key_averages()
-    if cuda:
-        device_us = sum(e.self_device_time_total for e in events) / steps
-        kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / steps
-        print(f"  profiled: device busy {device_us / 1e3:.3f} ms per step, {kernels:.0f} kernels per step")
-    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(events.table(sort_by=sort, row_limit=30, max_name_column_width=60))
+    busy_ms = sum(e.self_device_time_total for e in events) / 1e3
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows,
+                         max_name_column_width=60)
+    return out, busy_ms, kernels, table
+
+
+def profile_steps(eng, steps: int, device: str) -> None:
+    """Device time per step against wall time (the gap is host overhead), and the kernels that take it."""
+    _, busy_ms, kernels, table = profiled(device, lambda: [eng.step() for _ in range(steps)])
+    if device.startswith("cuda"):
+        print(f"  profiled: device busy {busy_ms / steps:.3f} ms per step, {kernels / steps:.0f} kernels per step")
+    print(table)
 
 
 def profile_prefill(eng, cfg, args, count: int, length: int) -> None:
     """The top kernels of one more prefill run of the shape, and how much of its wall time the device was busy."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = args.device.startswith("cuda")
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        r = tandem_prefill(eng, cfg, args, count, length)
-    events = prof.key_averages()
-    if cuda:
-        device_ms = sum(e.self_device_time_total for e in events) / 1e3
-        print(f"  profiled: {r['ms']:.1f} ms wall (under the profiler), device busy {device_ms:.1f} ms")
-    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(events.table(sort_by=sort, row_limit=25, max_name_column_width=60))
+    r, busy_ms, _, table = profiled(args.device, lambda: tandem_prefill(eng, cfg, args, count, length), rows=25)
+    if args.device.startswith("cuda"):
+        print(f"  profiled: {r['ms']:.1f} ms wall (under the profiler), device busy {busy_ms:.1f} ms")
+    print(table)
 
 
 def host_profile_prefill(eng, cfg, args, count: int, length: int) -> None:
@@ -185,13 +183,13 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
     """One engine of `batch` requests: prefill, --warmup-steps, then --steps timed decode (k = 0) or verify steps."""
     # nobody finishes inside the timed (or --profile) steps, even accepting every draft, though the first requests
     # start decoding while the last ones still prefill
-    budget = max(args.mixed_budget if args.mixed else 2048, batch * (k + 1))
+    count, length = args.mixed or (0, 0)  # --mixed: prompts that arrive later, in three rounds
+    budget = max(args.mixed_budget if count else 2048, batch * (k + 1))
     prefill_steps = -(-batch * args.prompt_len // budget)
-    mixed_steps = 3 * (-(-args.mixed[0] * args.mixed[1] // (budget - batch * (k + 1))) + 1) if args.mixed else 0
+    mixed_steps = 3 * (-(-count * length // (budget - batch * (k + 1))) + 1) if count else 0
     max_tokens = (prefill_steps + args.warmup_steps + args.steps + PROFILE_STEPS + mixed_steps + 4) * (k + 1)
-    ecfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=batch + (args.mixed[0] if args.mixed else 0),
-                        max_model_len=max(args.prompt_len + max_tokens + k + 8, args.mixed[1] + k + 8 if args.mixed else 0),
-                        max_num_batched_tokens=budget,
+    ecfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=batch + count,
+                        max_model_len=max(args.prompt_len + max_tokens, length) + k + 8, max_num_batched_tokens=budget,
                         num_speculative_tokens=k, emulated_acceptance=rates[:k] if k else None)
     eng = Engine(cfg, model, ecfg)
     eng.capture_graphs()  # every bucket now, so no capture falls into the timed or profiled steps
@@ -257,15 +255,10 @@ def tandem_mixed(eng, cfg, args, batch: int, decode_ms: float) -> dict:
             return times
 
         if rnd == 2:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                times = run()
-            events = prof.key_averages()
-            busy = sum(e.self_device_time_total for e in events) / 1e3
+            times, busy_ms, _, table = profiled(args.device, run)
             print(f"  mixed, profiled: {sum(t for _, _, t in times) * 1e3:.1f} ms wall over {len(times)} steps, "
-                  f"device busy {busy:.1f} ms")
-            print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
+                  f"device busy {busy_ms:.1f} ms")
+            print(table)
         else:
             times = run()
         for r in ids:
@@ -485,7 +478,8 @@ def print_summary(res: dict) -> None:
     mixed = [r for r in res["decode"] if "mixed" in r]
     if mixed:
         print("\nMixed steps (decode rows + arriving prompts' chunks, as served):\n")
-        print("| batch | k | prompts x length | budget | steps | step ms | decode step ms | prompt tok/s beyond decode |")
+        print("| batch | k | prompts x length | budget | steps | step ms | decode step ms | "
+              "prompt tok/s beyond decode |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in mixed:
             m = r["mixed"]

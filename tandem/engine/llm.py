@@ -155,8 +155,9 @@ class Engine:
     def warm_up(self) -> None:
         """Compiles the prefill kernels before serving (on a GPU the first step of a new kind otherwise waits
         seconds for Triton to compile and autotune). The prompts reach every tiling the prefill cores pick:
-        full-budget steps (and steps of every multiple of 2048 rows below the budget); 1, 2, 3 and 5 rows (the decode tilings of attention and the conv's row tiles); 48
-        rows (the widest row tile of the skinny projections, `tandem/ops/linear.py`); the
+        full-budget steps (and steps of every multiple of 2048 rows below the budget); 1, 2, 3 and 5 rows (the
+        decode tilings of attention and the conv's row tiles); 48 rows (the widest row tile of the skinny
+        projections, `tandem/ops/linear.py`); the
         fewest rows of attention's prefill tiling, one tile when its tiles are that tall; a short and a long
         request together (GDN's recurrent and chunked kernels in one step); last chunks of 1, 2, 3, 5, 9 and 20
         rows on a long context (split-K in every tiling); and 2, 4, 8 and 16 one-token prompts (what depends on the

@@ -39,6 +39,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # amax floor: an all-zero block gets a tiny positive scale (never 0 or inf), and quantises to exact zeros
 AMAX_FLOOR = 1e-12
+DECODE_MAX_ROWS = 256  # more rows: a compute-bound (prefill) GEMM
 
 
 class Fp8FormatError(ValueError):
@@ -217,7 +218,7 @@ def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block
 
 # ------------------------------------------------------------------------------ torch's block-scaled FP8 matmul
 
-CUBLAS_MIN_ROWS = 257  # up to 256 rows (decode, verify) the Triton kernel streams the weight
+CUBLAS_MIN_ROWS = DECODE_MAX_ROWS + 1  # up to there (decode, verify) the Triton kernel streams the weight
 # the layouts the scales may have to be in: activations' [M, K/128] as written or M-major; the weight's
 # [N/128, K/128] as stored, transposed, or transposed and contiguous (each the same storage: always in bounds)
 _A_LAYOUTS = (lambda s: s, lambda s: s.t().contiguous().t())
@@ -331,7 +332,7 @@ def _gemm_tiles(M: int, N: int, KB: int, sms: int) -> tuple[int, int, int, int, 
     """(BLOCK_M, BLOCK_N, K splits, warps, stages). Few rows (decode): the GEMM streams the weight, so N tiles
     are narrowed, then K split, until there are about two programs per SM; many rows: large tiles for the
     tensor cores."""
-    if M > 256:
+    if M > DECODE_MAX_ROWS:
         return 128, 128, 1, 8, 3
     bm = row_block(M)
     bn, split = 128, 1
