@@ -1,10 +1,11 @@
-"""Norm kernels: Triton and torch reference against fp64 maths; on the GPU also in bf16."""
+"""Norm kernels: Triton and torch reference against fp64 maths; on the GPU also in bf16. And the e4m3 groups the
+norms (and the attention output gate) write for the FP8 GEMMs that read their output."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.ops import norm
+from tandem.ops import fp8, norm, pointwise
 
 def fp64_rms_norm_1p(x, w, eps):
     x = x.double()
@@ -48,15 +49,58 @@ def check(device, dtype, tol):
     for impl in (norm.gated_rms_norm_triton, norm.gated_rms_norm_torch):
         out = impl(x, z, w, 1e-6)
         assert out.shape == x.shape and (out.double() - fp64_gated(x, z, w, 1e-6)).abs().max() <= tol
+        # the model's layout: heads side by side in [T, heads * n], z the projection's columns as they are
+        flat = impl(x.view(T, heads * n), proj[:, 5:], w, 1e-6)
+        assert flat.shape == (T, heads * n) and torch.equal(flat, out.view(T, heads * n))
+
+
+def check_fp8_groups(device, dtype):
+    """With `group`, each kernel's output is unchanged, and the e4m3 groups it hangs on it are bit for bit
+    the group quantiser's of that output; its FP8 readers take them, also through the [T, heads * n] view of the
+    GDN norm's [T, heads, n] output, and quantise any other tensor themselves."""
+    g = torch.Generator().manual_seed(2)
+    x, z = (torch.randn(5, 64, generator=g).to(device, dtype) * 3 for _ in range(2))
+    w = torch.randn(64, generator=g).to(device, dtype)
+    parts = torch.randn(5, 9, 64, generator=g).to(device, dtype)
+    heads = torch.randn(5, 4, 16, generator=g).to(device, dtype)
+    gate = torch.randn(5, 4, 16, generator=g).to(device, dtype)
+    runs = [(16, lambda gr: norm.rms_norm_1p_triton(x, w, 1e-6, gr)),
+            (32, lambda gr: norm.add_rms_norm_1p_triton(x, z, w, 1e-6, gr)[1]),
+            (16, lambda gr: norm.add_rms_norm_1p_triton(x, parts, w, 1e-6, gr)[1]),
+            (16, lambda gr: norm.gated_rms_norm_triton(heads, gate, w[:16], 1e-6, gr)),  # [T, heads, n]
+            (16, lambda gr: norm.gated_rms_norm_triton(heads.view(5, 64), gate.view(5, 64), w[:16], 1e-6, gr)),
+            (32, lambda gr: pointwise.sigmoid_gate_triton(x.contiguous(), gate, block=32, group=gr))]  # 2 programs
+    for group, run in runs:
+        plain, out = run(None), run(group)
+        assert torch.equal(out, plain)
+        q, s = fp8.activation_groups(out, group)
+        want_q, want_s = fp8.quantize_activations_triton(plain.reshape(-1, plain.shape[-1]), group)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+        assert q.data_ptr() == fp8.activation_groups(out, group)[0].data_ptr()  # the norm's: no new launch
+        assert fp8.activation_groups(plain, group)[0].data_ptr() != q.data_ptr()
+        other = out[1:]  # another tensor (a view of the output): quantised on the spot
+        oq, os_ = fp8.activation_groups(other, group)
+        assert oq.data_ptr() != q.data_ptr()
+        assert torch.equal(os_, fp8.quantize_activations_triton(other.reshape(-1, other.shape[-1]), group)[1])
+    # the GDN out projection's input: the norm's [T, heads * n] output has the groups of its own rows
+    gated = norm.gated_rms_norm_triton(heads.view(5, 64), gate.view(5, 64), w[:16], 1e-6, 16)
+    assert fp8.activation_groups(gated, 16)[1].shape == (5, 4)
+    # 48 channels (not a power of two) or a group that does not divide them: no groups written, readers quantise
+    for x_odd, group in ((torch.randn(3, 48, generator=g).to(device, dtype), 16), (x, 128)):
+        out = norm.rms_norm_1p_triton(x_odd, w[: x_odd.shape[1]], 1e-6, group)
+        assert not hasattr(out, fp8._GROUPS_ATTR)
+    assert not hasattr(pointwise.sigmoid_gate_triton(x, gate, block=16, group=32), fp8._GROUPS_ATTR)  # split groups
 
 
 def test_norm_kernels_cpu_interpreter():
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter case runs where there is no GPU")
     check("cpu", torch.float32, 1e-5)
+    check_fp8_groups("cpu", torch.float32)
 
 
 @pytest.mark.gpu
 def test_norm_kernels_gpu():
     check("cuda", torch.float32, 1e-5)
     check("cuda", torch.bfloat16, 0.1)  # bf16: 8 bits of mantissa on values of size ~3
+    check_fp8_groups("cuda", torch.bfloat16)

@@ -74,7 +74,10 @@ def run_cores(steps: Generator, batch: ForwardBatch):
 
 
 class RMSNorm1p(nn.Module):
-    """Zero-centred RMSNorm: `rms(x) * (1 + w)`."""
+    """Zero-centred RMSNorm: `rms(x) * (1 + w)`. `fp8_group`: the activation group of the FP8 GEMMs that read
+    its output, if any (`Qwen3_5ForCausalLM.fuse_projections` sets it): the norm's kernel quantises for them."""
+
+    fp8_group: int | None = None
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -82,15 +85,18 @@ class RMSNorm1p(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return rms_norm_1p(x, self.weight, self.eps)
+        return rms_norm_1p(x, self.weight, self.eps, self.fp8_group)
 
     def residual(self, h, delta):
         """(h + delta, its norm), one pass: the residual add of the block before, then this norm."""
-        return add_rms_norm_1p(h, delta, self.weight, self.eps)
+        return add_rms_norm_1p(h, delta, self.weight, self.eps, self.fp8_group)
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-value-head plain-weight RMSNorm followed by the SiLU gate: `w * rms(o) * silu(z)`."""
+    """Per-value-head plain-weight RMSNorm followed by the SiLU gate: `w * rms(o) * silu(z)`, o and z [T, heads *
+    dim] (or [T, heads, dim]). `fp8_group`: as `RMSNorm1p`'s (the GDN out projection's)."""
+
+    fp8_group: int | None = None
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -98,7 +104,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, z):
-        return gated_rms_norm(x, z, self.weight, self.eps)
+        return gated_rms_norm(x, z, self.weight, self.eps, self.fp8_group)
 
 
 def _linear(n_in: int, n_out: int) -> nn.Linear:
@@ -214,6 +220,10 @@ class _FusedProjections(nn.Module):
             self._groups.append(_FusedGroup(_stack_rows([m.weight for m in group], align), scale, block,
                                             [m.weight.shape[0] for m in group], index))
 
+    def fp8_input_group(self) -> int | None:
+        """The activation group of the FP8 GEMMs among the projections of the input (None: no FP8 GEMM)."""
+        return next((m.block[1] for m in map(self._projection, self._fused_names) if isinstance(m, Fp8Linear)), None)
+
     def project(self, x):
         if self._groups is None:
             return [_apply_linear(self._projection(n), x) for n in self._fused_names]
@@ -271,8 +281,7 @@ class GatedDeltaNet(_FusedProjections):
         T = x.shape[0]
         mixed_qkv, z, b, a = self.project(x)
         o = yield Core(self.recurrence, (mixed_qkv, a, b), (conv_state, recurrent_state, pending))
-        o = self.norm(o, z.view(T, self.nv, self.dv))
-        return self.out_proj(o.reshape(T, -1))
+        return self.out_proj(self.norm(o.reshape(T, -1), z))  # heads side by side, z read in place
 
     def recurrence(self, mixed_qkv, a, b, batch: ForwardBatch, conv_state, recurrent_state, pending, out=None):
         """The conv and the delta rule, request by request from their state slots -> o [T, nv, dv]; the
@@ -288,6 +297,7 @@ class GatedDeltaNet(_FusedProjections):
 
 class GatedAttention(_FusedProjections):
     _fused_names = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+    o_fp8_group: int | None = None  # the output gate's kernel quantises for an FP8 o_proj (as the norms do)
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
@@ -313,7 +323,7 @@ class GatedAttention(_FusedProjections):
         q = qk_norm_rope_write_kv(q, k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd), self.q_norm.weight,
                                   self.k_norm.weight, self.q_norm.eps, cos, sin, k_cache, v_cache, batch.slot_mapping)
         o = yield Core(self.attend, (q,), (k_cache, v_cache))
-        return self.o_proj(sigmoid_gate(o.reshape(T, -1), gate))
+        return self.o_proj(sigmoid_gate(o.reshape(T, -1), gate, self.o_fp8_group))
 
     def attend(self, q, batch: ForwardBatch, k_cache, v_cache, out=None):
         return paged_attention(q, k_cache, v_cache, batch, self.hd**-0.5, out=out)
@@ -439,6 +449,12 @@ class SparseMoE(_FusedProjections):
         self.shared_expert_gate = _linear(cfg.hidden_size, 1)
         self.hosted = False
 
+    def fp8_input_group(self) -> int | None:
+        """The experts' activation group when they are FP8, else the shared expert's projections'."""
+        if self.experts.block is not None:
+            return self.experts.block[1]
+        return self.shared_expert.fp8_input_group()
+
     def fuse(self):
         self.hosted = self.experts.host(self.shared_expert)
         self._fused_names = self._hosting_names if self.hosted else type(self)._fused_names
@@ -481,6 +497,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, delta, batch: ForwardBatch, inv_freq, cache):
         return run_cores(self.steps(h, delta, batch, inv_freq, cache), batch)
+
+    def quantize_in_producers(self):
+        """The kernel before each FP8 GEMM writes the e4m3 groups of its input (one quantiser launch fewer each):
+        the input norm for the attention / GDN projections, the post-attention norm for the MLP or MoE block,
+        the GDN output norm and the attention output gate for the out projections."""
+        mixer = self.self_attn if self.is_attention else self.linear_attn
+        self.input_layernorm.fp8_group = mixer.fp8_input_group()
+        self.post_attention_layernorm.fp8_group = self.mlp.fp8_input_group()
+        out_proj = mixer.o_proj if self.is_attention else mixer.out_proj
+        group = out_proj.block[1] if isinstance(out_proj, Fp8Linear) else None
+        if self.is_attention:
+            mixer.o_fp8_group = group
+        else:
+            mixer.norm.fp8_group = group
 
     def steps(self, h, delta, batch: ForwardBatch, inv_freq, cache):
         """The residual stream is `h + delta` (delta: the previous block's output, not yet added, possibly as
@@ -541,6 +571,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, _FusedProjections):
                 module.fuse()
+        for module in self.modules():
+            if isinstance(module, DecoderLayer):
+                module.quantize_in_producers()
         return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

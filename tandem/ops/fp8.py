@@ -8,7 +8,8 @@ scale, and a GEMM can multiply in e4m3 and rescale each group's fp32 partial sum
 `w8a8_linear(x, w, scale_inv, block)` dispatches like every op: CUDA tensors take the Triton kernels, the rest
 the torch reference (dequantise both operands after quantising x, then an fp32 matmul). The kernel path is two
 launches: `_quantize_groups_kernel` writes x's e4m3 values and per-group scales (IEEE division, so it gives the
-reference's values bit for bit), then `_w8a8_kernel` streams the weight through the tensor cores. Each group's
+reference's values bit for bit), then `_w8a8_kernel` streams the weight through the tensor cores. Where a norm
+produced x, its kernel wrote those groups already (`activation_groups`): one launch. Each group's
 e4m3 product is accumulated in fp32 at every K=32 step (`max_num_imprecise_acc=0`: Hopper's default fast
 accumulation keeps fewer mantissa bits over a long dot) and rescaled by `s_x * s_w` into an fp32 accumulator.
 At decode sizes (few rows) the GEMM is split over K so every SM streams weight; the last program of each tile to
@@ -99,6 +100,16 @@ if HAS_TRITON:
         s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         q = tl.math.div_rn(a, tl.broadcast_to(s[:, None], a.shape))
         return tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv), s
+
+    @triton.jit
+    def store_groups(y, q_ptr, s_ptr, offset, BLOCK: tl.constexpr, G: tl.constexpr):
+        """BLOCK consecutive values y of a row-major tensor, from element `offset` (a multiple of G, as BLOCK is),
+        as e4m3 groups of G: their values to q_ptr + offset.., their scales to s_ptr + offset // G.. (one kernel
+        quantising its own output for an FP8 GEMM, `attach_activation_groups`)."""
+        q, s = quantize_rows(tl.reshape(y.to(tl.float32), (BLOCK // G, G)))
+        groups = tl.arange(0, BLOCK // G)
+        tl.store(q_ptr + offset + groups[:, None] * G + tl.arange(0, G)[None, :], q)
+        tl.store(s_ptr + offset // G + groups, s)
 
     @triton.jit
     def group_dot(q, w, s, ws, DOT: tl.constexpr):
@@ -202,6 +213,30 @@ def quantize_activations_triton(x, group, rows=None):
     return q, s
 
 
+# ------------------------------------------------------------- activation groups written by their producer
+
+# A kernel whose output an FP8 GEMM reads (the norms) may write that output's e4m3 groups in the same pass. It
+# hangs them on the output tensor it returns, and the GEMMs handed that very tensor take them instead of
+# quantising it again; any other tensor (a view or copy of it included) is quantised by its reader. The output
+# must not be written in place afterwards: nothing is, as every norm output is a fresh tensor.
+_GROUPS_ATTR = "_fp8_activation_groups"
+
+
+def attach_activation_groups(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """x [..., K] with q [R, K], its e4m3 values, and s [R, K / group], their scales, hung on it; returns x."""
+    setattr(x, _GROUPS_ATTR, (group, q, s))
+    return x
+
+
+def activation_groups(x: torch.Tensor, group: int):
+    """x [..., K] -> (e4m3 [R, K], fp32 scales [R, K / group]) as `quantize_activations_triton` gives them: those
+    its producer wrote when it did (`attach_activation_groups`), else from one launch of the group quantiser."""
+    written = getattr(x, _GROUPS_ATTR, None)
+    if written is not None and written[0] == group:
+        return written[1], written[2]
+    return quantize_activations_triton(x.reshape(-1, x.shape[-1]), group)
+
+
 def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32) by an e4m3 weight w [N, K] with block scales -> [..., N] in x's dtype."""
     if use_triton(x):
@@ -253,7 +288,7 @@ def _scaled_mm(xq, xs, w, scale_inv, layout, out_dtype):
 def w8a8_linear_cublas(x, w, scale_inv, layout):
     """x quantised by the group quantiser, then torch's block-scaled matmul with the scales in `layout`."""
     N, K = w.shape
-    xq, xs = quantize_activations_triton(x.reshape(-1, K), 128)
+    xq, xs = activation_groups(x, 128)
     return _scaled_mm(xq, xs, w, scale_inv, layout, x.dtype).view(*x.shape[:-1], N)
 
 
@@ -344,7 +379,7 @@ def _gemm_tiles(M: int, N: int, KB: int, sms: int) -> tuple[int, int, int, int, 
 
 
 def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=1):
-    """The kernel path: x quantised by one launch of its own, then the GEMM (split over K when `tiles` or the
+    """The kernel path: x's e4m3 groups (its producer's, or one launch of the quantiser), then the GEMM (split over K when `tiles` or the
     choice says so). `tiles` = (BLOCK_M, BLOCK_N, K splits, warps, stages) overrides the choice (tests). (Each
     GEMM program quantising its own rows' groups instead, with the quantiser's IEEE divisions, was 3-5x slower at
     decode (`afc28a4`), and again since (`7d0cd0d`, undone): every N tile redoes them.)"""
@@ -360,7 +395,7 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=1):
     bm, bn, split, warps, stages = tiles or _gemm_tiles(M, N, kb, _sm_count(x.device))
     per_split = cdiv(kb, split)
     split = cdiv(kb, per_split)
-    xq, xs = quantize_activations_triton(x2, block[1])
+    xq, xs = activation_groups(x, block[1])
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     part, counts = (torch.empty(split, M, N, dtype=torch.float32, device=x.device),

@@ -32,8 +32,9 @@ CUDA graph:
    atomics). `buf.view(T, top_k, H).sum(1)` then adds the top_k contributions in a fixed order: deterministic.
 
 FP8 experts (e4m3 weights with 128 x 128 block scales) run the same two kernels with e4m3 dots: x is quantised per
-token and 128-channel group before step 3, and `inter` per pair row (up to `total`, read on the device) before
-step 4, each by one launch of `tandem/ops/fp8.py`'s group quantiser; each K step is one group, rescaled once.
+token and 128-channel group before step 3 (by the norm that produced it, when it did: `activation_groups`), and
+`inter` per pair row (up to `total`, read on the device) before step 4, by one launch of `tandem/ops/fp8.py`'s
+group quantiser; each K step is one group, rescaled once.
 """
 
 import torch
@@ -52,7 +53,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from tandem.ops.fp8 import group_dot, quantize_activations_triton
+    from tandem.ops.fp8 import activation_groups, group_dot, quantize_activations_triton
 
     @triton.jit
     def _route_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, counts_ptr, rank_out_ptr, E, stride_t, stride_s,
@@ -513,7 +514,7 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     group_n = block[0] if fp8 else 1
     # FP8: activations are quantised once per token (x) and per pair (SiLU(gate) * up, rows up to `total`), each
     # by a launch of its own (inside the GEMMs every N tile would redo the quantiser's divisions)
-    xq, xs = quantize_activations_triton(x, block[1]) if fp8 else (x, x)
+    xq, xs = activation_groups(x, block[1]) if fp8 else (x, x)
     inter = torch.empty(sorted_ids.shape[0], inter_size, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = gu
     e_p2 = triton.next_power_of_2(E)  # a ranked routing's counters, zeroed by the gate/up kernel once read

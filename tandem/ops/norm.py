@@ -5,31 +5,43 @@
   h, in one pass; `delta` may also come as parts [T, P, H] (a MoE block's per-expert outputs, `fused_experts`
   with `summed=False`), summed in order in fp32 and rounded once, as `sum(1)` would, in the same pass.
 - `gated_rms_norm`: the GDN output norm, plain weight, applied per value head before the gate:
-  `w * rms(o) * silu(z)`.
+  `w * rms(o) * silu(z)` (heads as a dimension of their own, or side by side in the last one).
+
+Each takes `group`: when its output feeds FP8 GEMMs with activation groups of that size, the kernel also writes
+the output's e4m3 groups and their scales (exactly as the group quantiser would from the stored output) in the
+same pass, and hangs them on the output (`tandem.ops.fp8.attach_activation_groups`): one launch and one read of
+the activations fewer for each FP8 GEMM input. The references ignore it (their consumers quantise).
 """
 
 import torch
 import torch.nn.functional as F
 
+from tandem.ops.fp8 import FP8_DTYPE, attach_activation_groups
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from tandem.ops.fp8 import quantize_rows, store_groups
+
     @triton.jit
-    def _rms_norm_1p_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    def _rms_norm_1p_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n_cols, eps, BLOCK: tl.constexpr, G: tl.constexpr):
+        """G > 0: also the output's e4m3 groups of G (then n_cols == BLOCK)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
+        if G > 0:
+            store_groups(y, q_ptr, s_ptr, row * BLOCK, BLOCK, G)
 
     @triton.jit
-    def _add_rms_norm_1p_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr,
-                                PARTS: tl.constexpr):
+    def _add_rms_norm_1p_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr, n_cols, eps,
+                                BLOCK: tl.constexpr, PARTS: tl.constexpr, G: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -44,13 +56,17 @@ if HAS_TRITON:
         x = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
+        if G > 0:
+            store_groups(y, q_ptr, s_ptr, row * BLOCK, BLOCK, G)
 
     @triton.jit(do_not_specialize=["n_rows"])
-    def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_rows, n_cols, heads, stride_zt, stride_zh, eps,
-                               BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n_rows, n_cols, heads, stride_zt,
+                               stride_zh, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, QUANTIZE: tl.constexpr):
         """ROWS rows of x (contiguous [n_rows, n_cols]) per program; row r's gate is z[r // heads, r % heads], read
-        in place from the projection output it is a view of."""
+        in place from the projection output it is a view of. QUANTIZE: each row is also one e4m3 group (n_cols ==
+        BLOCK == the group size), its scale at s[r]."""
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -62,22 +78,31 @@ if HAS_TRITON:
         # round where the reference rounds: the normed value and its product with w live in the model dtype
         normed = (x * tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)[:, None]).to(dt)
         scaled = (normed * w.to(dt)[None, :]).to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], (scaled * z * tl.sigmoid(z)).to(dt), mask=mask)
+        y = (scaled * z * tl.sigmoid(z)).to(dt)
+        tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], y, mask=mask)
+        if QUANTIZE:
+            q, s = quantize_rows(y.to(tl.float32))
+            tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], q, mask=mask)
+            tl.store(s_ptr + rows, s, mask=rows < n_rows)
 
 
-def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm_1p_triton(x, weight, eps) if use_triton(x) else rms_norm_1p_torch(x, weight, eps)
+def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int | None = None) -> torch.Tensor:
+    return rms_norm_1p_triton(x, weight, eps, group) if use_triton(x) else rms_norm_1p_torch(x, weight, eps)
 
 
-def add_rms_norm_1p(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm_1p(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                    group: int | None = None):
     """h [T, H], delta [T, H] or parts [T, P, H] -> (h + delta, rms_norm_1p(h + delta)) (parts: h + delta.sum(1))."""
     if use_triton(h):
-        return add_rms_norm_1p_triton(h, delta, weight, eps)
+        return add_rms_norm_1p_triton(h, delta, weight, eps, group)
     return add_rms_norm_1p_torch(h, delta, weight, eps)
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return gated_rms_norm_triton(x, z, weight, eps) if use_triton(x) else gated_rms_norm_torch(x, z, weight, eps)
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   group: int | None = None) -> torch.Tensor:
+    if use_triton(x):
+        return gated_rms_norm_triton(x, z, weight, eps, group)
+    return gated_rms_norm_torch(x, z, weight, eps)
 
 
 def rms_norm_1p_torch(x, weight, eps):
@@ -92,10 +117,11 @@ def add_rms_norm_1p_torch(h, delta, weight, eps):
 
 
 def gated_rms_norm_torch(x, z, weight, eps):
-    xf = x.float()
+    n = weight.shape[0]
+    xf, zf = x.float().unflatten(-1, (-1, n)), z.float().unflatten(-1, (-1, n))  # [T, heads * n]: per head
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     # weight multiplies in the model dtype, the gate in fp32 (as the reference implementation does)
-    return ((weight * normed) * F.silu(z.float())).to(x.dtype)
+    return ((weight * normed) * F.silu(zf)).to(x.dtype).view(x.shape)
 
 
 def _rows(x):
@@ -103,29 +129,57 @@ def _rows(x):
     return x2, torch.empty_like(x2), triton.next_power_of_2(x.shape[-1])
 
 
-def rms_norm_1p_triton(x, weight, eps):
-    x2, out, block = _rows(x)
-    _rms_norm_1p_kernel[(x2.shape[0],)](x2, weight, out, x2.shape[1], eps, BLOCK=block)
-    return out.view(x.shape)
+def _groups_for(out, group, block):
+    """(q, s, G) for a kernel that writes whole rows of `out` [R, n] (n == block) as groups of `group` too, or
+    (out, out, 0) when it cannot: no group asked for, or rows that are not a whole number of groups."""
+    n = out.shape[1]
+    if not group or n != block or n % group or group & (group - 1):
+        return out, out, 0
+    return (torch.empty(out.shape, dtype=FP8_DTYPE, device=out.device),
+            torch.empty(out.shape[0], n // group, dtype=torch.float32, device=out.device), group)
 
 
-def gated_rms_norm_triton(x, z, weight, eps):
-    """x, z: [T, heads, n] (or [R, n]); z may be strided over its first two dims (a view of a fused projection)."""
+def _with_groups(out, q, s, group, shape):
+    """`out` viewed as `shape`, with the groups its kernel wrote (if it wrote them) hung on that view."""
+    y = out.view(shape)
+    rows = q.numel() // shape[-1]  # of y as [rows, K], the shape its readers quantise it in
+    return attach_activation_groups(y, q.view(rows, -1), s.view(rows, -1), group) if group else y
+
+
+def rms_norm_1p_triton(x, weight, eps, group=None):
     x2, out, block = _rows(x)
-    z3 = z if z.dim() == 3 else z.reshape(-1, 1, z.shape[-1])
+    q, s, g = _groups_for(out, group, block)
+    _rms_norm_1p_kernel[(x2.shape[0],)](x2, weight, out, q, s, x2.shape[1], eps, BLOCK=block, G=g)
+    return _with_groups(out, q, s, g, x.shape)
+
+
+def gated_rms_norm_triton(x, z, weight, eps, group=None):
+    """x, z: [T, heads, n] or [T, heads * n] (or [R, n]), n = len(weight): each head's n values normed and gated;
+    z may be strided over its leading dims (a view of a fused projection). `group` == n: each head's values are
+    also one e4m3 group of the output (as [T, heads * n] rows)."""
+    n = weight.shape[0]
+    x2, out, block = _rows(x.reshape(-1, n))
+    if x.shape[-1] != n:  # [T, heads * n]
+        z3 = z.view(z.shape[0], -1, n)
+    else:
+        z3 = z if z.dim() == 3 else z.reshape(-1, 1, n)
     if z3.stride(2) != 1:
         z3 = z3.contiguous()
+    quantize = group == n == block
+    q, s = (torch.empty(out.shape, dtype=FP8_DTYPE, device=out.device),
+            torch.empty(out.shape[0], 1, dtype=torch.float32, device=out.device)) if quantize else (out, out)
     rows = max(1, min(32, 4096 // block))  # several rows a program: a row of a GDN head is only 128 values
     _gated_rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
-        x2, z3, weight, out, x2.shape[0], x2.shape[1], z3.shape[1], z3.stride(0), z3.stride(1), eps,
-        BLOCK=block, ROWS=rows)
-    return out.view(x.shape)
+        x2, z3, weight, out, q, s, x2.shape[0], x2.shape[1], z3.shape[1], z3.stride(0), z3.stride(1), eps,
+        BLOCK=block, ROWS=rows, QUANTIZE=quantize)
+    return _with_groups(out, q, s, group if quantize else 0, x.shape)
 
 
-def add_rms_norm_1p_triton(h, delta, weight, eps):
+def add_rms_norm_1p_triton(h, delta, weight, eps, group=None):
     h2, out, block = _rows(h)
     total = torch.empty_like(h2)
     parts = 1 if delta.dim() == h.dim() else delta.shape[-2]
-    _add_rms_norm_1p_kernel[(h2.shape[0],)](h2, delta.contiguous(), weight, total, out, h2.shape[1], eps,
-                                            BLOCK=block, PARTS=parts)
-    return total.view(h.shape), out.view(h.shape)
+    q, s, g = _groups_for(out, group, block)
+    _add_rms_norm_1p_kernel[(h2.shape[0],)](h2, delta.contiguous(), weight, total, out, q, s, h2.shape[1], eps,
+                                            BLOCK=block, PARTS=parts, G=g)
+    return total.view(h.shape), _with_groups(out, q, s, g, h.shape)

@@ -16,11 +16,14 @@ same values up to fp32 summation order.
 import torch
 import torch.nn.functional as F
 
+from tandem.ops.fp8 import FP8_DTYPE, attach_activation_groups
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from tandem.ops.fp8 import store_groups
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
@@ -34,8 +37,9 @@ if HAS_TRITON:
         tl.store(out_ptr + row * n_cols + cols, (act.to(tl.float32) * u.to(tl.float32)).to(dt), mask=ok)
 
     @triton.jit
-    def _sigmoid_gate_kernel(x_ptr, gate_ptr, out_ptr, n_cols, stride_gt, stride_gh, HD: tl.constexpr,
-                             BLOCK: tl.constexpr):
+    def _sigmoid_gate_kernel(x_ptr, gate_ptr, out_ptr, q_ptr, s_ptr, n_cols, stride_gt, stride_gh, HD: tl.constexpr,
+                             BLOCK: tl.constexpr, G: tl.constexpr):
+        """G > 0: also the output's e4m3 groups of G (then BLOCK divides n_cols)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -43,7 +47,10 @@ if HAS_TRITON:
         gate = tl.load(gate_ptr + row * stride_gt + (cols // HD) * stride_gh + cols % HD, mask=ok, other=0.0)
         dt = out_ptr.dtype.element_ty
         sig = tl.sigmoid(gate.to(tl.float32)).to(dt).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (x * sig).to(dt), mask=ok)
+        y = (x * sig).to(dt)
+        tl.store(out_ptr + row * n_cols + cols, y, mask=ok)
+        if G > 0:
+            store_groups(y, q_ptr, s_ptr, row * n_cols + tl.program_id(1) * BLOCK, BLOCK, G)
 
     @triton.jit
     def gdn_gate_values(a, b, a_log, dt_bias):
@@ -91,9 +98,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu_mul_triton(gate, up) if use_triton(gate) else silu_mul_torch(gate, up)
 
 
-def sigmoid_gate(x, gate):
-    """x [T, heads * head_dim] (contiguous), gate [T, heads, head_dim] -> x * sigmoid(gate) [T, heads * head_dim]."""
-    return sigmoid_gate_triton(x, gate) if use_triton(x) else sigmoid_gate_torch(x, gate)
+def sigmoid_gate(x, gate, group=None):
+    """x [T, heads * head_dim] (contiguous), gate [T, heads, head_dim] -> x * sigmoid(gate) [T, heads * head_dim].
+    `group`: the kernel also writes the output's e4m3 groups for the FP8 GEMM that reads it (`tandem.ops.norm`)."""
+    return sigmoid_gate_triton(x, gate, group=group) if use_triton(x) else sigmoid_gate_torch(x, gate)
 
 
 def gdn_gates(a, b, a_log, dt_bias):
@@ -138,15 +146,18 @@ def silu_mul_triton(gate, up, block=1024):
     return out.view(shape)
 
 
-def sigmoid_gate_triton(x, gate, block=1024):
+def sigmoid_gate_triton(x, gate, block=1024, group=None):
     T, n = x.shape
     assert x.is_contiguous() and gate.stride(2) == 1 and gate.shape[1] * gate.shape[2] == n
     out = torch.empty_like(x)
+    block = min(block, triton.next_power_of_2(n))
+    g = group if group and n % block == 0 and block % group == 0 else 0  # programs of whole groups only
+    q, s = (torch.empty(T, n, dtype=FP8_DTYPE, device=x.device),
+            torch.empty(T, n // g, dtype=torch.float32, device=x.device)) if g else (out, out)
     if T:
-        block = min(block, triton.next_power_of_2(n))
-        _sigmoid_gate_kernel[(T, triton.cdiv(n, block))](x, gate, out, n, gate.stride(0), gate.stride(1),
-                                                         HD=gate.shape[2], BLOCK=block)
-    return out
+        _sigmoid_gate_kernel[(T, triton.cdiv(n, block))](x, gate, out, q, s, n, gate.stride(0), gate.stride(1),
+                                                         HD=gate.shape[2], BLOCK=block, G=g)
+    return attach_activation_groups(out, q, s, g) if g else out
 
 
 def gdn_gates_triton(a, b, a_log, dt_bias):
