@@ -69,6 +69,7 @@ from tandem.config import EngineConfig, parse_dtype  # noqa: E402
 from tandem.engine.llm import Engine, load_model  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.model.presets import PRESETS  # noqa: E402
+from tandem.model.qwen3_5 import DecoderLayer  # noqa: E402
 from tandem.ops.gdn import pending_width  # noqa: E402
 
 PREFILL_TOKEN_CAP = 16384
@@ -528,6 +529,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of a few profiled steps")
     ap.add_argument("--host-profile", action="store_true", help="also print where a prefill run's host time goes")
     ap.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    ap.add_argument("--quantizer-launches", action="store_true",
+                    help="FP8: quantise each GEMM input by a launch of its own instead of in the kernel that "
+                         "produced it (the norms, the attention output gate), to compare the two")
     args = ap.parse_args()
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -542,6 +546,10 @@ def main():
     synchronize(args.device)
     t0 = time.perf_counter()
     cfg, model, _ = load_model(args.model, args.device, dtype)
+    if args.quantizer_launches:
+        for layer in model.modules():
+            if isinstance(layer, DecoderLayer):
+                layer.quantize_in_producers(False)
     synchronize(args.device)
     res["load_s"] = time.perf_counter() - t0
     print(f"model={args.model} dtype={args.dtype} device={args.device} prompt={args.prompt_len} "

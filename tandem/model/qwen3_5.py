@@ -498,15 +498,16 @@ class DecoderLayer(nn.Module):
     def forward(self, h, delta, batch: ForwardBatch, inv_freq, cache):
         return run_cores(self.steps(h, delta, batch, inv_freq, cache), batch)
 
-    def quantize_in_producers(self):
+    def quantize_in_producers(self, on: bool = True):
         """The kernel before each FP8 GEMM writes the e4m3 groups of its input (one quantiser launch fewer each):
         the input norm for the attention / GDN projections, the post-attention norm for the MLP or MoE block,
-        the GDN output norm and the attention output gate for the out projections."""
+        the GDN output norm and the attention output gate for the out projections. `on=False`: none does (each
+        GEMM's input is quantised by a launch of its own; benchmarks compare the two)."""
         mixer = self.self_attn if self.is_attention else self.linear_attn
-        self.input_layernorm.fp8_group = mixer.fp8_input_group()
-        self.post_attention_layernorm.fp8_group = self.mlp.fp8_input_group()
+        self.input_layernorm.fp8_group = mixer.fp8_input_group() if on else None
+        self.post_attention_layernorm.fp8_group = self.mlp.fp8_input_group() if on else None
         out_proj = mixer.o_proj if self.is_attention else mixer.out_proj
-        group = out_proj.block[1] if isinstance(out_proj, Fp8Linear) else None
+        group = out_proj.block[1] if on and isinstance(out_proj, Fp8Linear) else None
         if self.is_attention:
             mixer.o_fp8_group = group
         else:
