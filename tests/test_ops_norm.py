@@ -56,7 +56,7 @@ def check(device, dtype, tol):
 
 def check_fp8_groups(device, dtype):
     """With `group`, each kernel's output is unchanged, and the e4m3 groups it hangs on it are bit for bit
-    the group quantiser's of that output; its FP8 readers take them, also through the [T, heads * n] view of the
+    the reference quantisation (`quantize_block_fp8`, per token and group) of that output; its FP8 readers take them, also through the [T, heads * n] view of the
     GDN norm's [T, heads, n] output, and quantise any other tensor themselves."""
     g = torch.Generator().manual_seed(2)
     x, z = (torch.randn(5, 64, generator=g).to(device, dtype) * 3 for _ in range(2))
@@ -74,14 +74,14 @@ def check_fp8_groups(device, dtype):
         plain, out = run(None), run(group)
         assert torch.equal(out, plain)
         q, s = fp8.activation_groups(out, group)
-        want_q, want_s = fp8.quantize_activations_triton(plain.reshape(-1, plain.shape[-1]), group)
+        want_q, want_s = fp8.quantize_block_fp8(plain.reshape(-1, plain.shape[-1]), (1, group))  # torch's
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
         assert q.data_ptr() == fp8.activation_groups(out, group)[0].data_ptr()  # the norm's: no new launch
         assert fp8.activation_groups(plain, group)[0].data_ptr() != q.data_ptr()
         other = out[1:]  # another tensor (a view of the output): quantised on the spot
         oq, os_ = fp8.activation_groups(other, group)
         assert oq.data_ptr() != q.data_ptr()
-        assert torch.equal(os_, fp8.quantize_activations_triton(other.reshape(-1, other.shape[-1]), group)[1])
+        assert torch.equal(os_, fp8.quantize_block_fp8(other.reshape(-1, other.shape[-1]), (1, group))[1])
     # the GDN out projection's input: the norm's [T, heads * n] output has the groups of its own rows
     gated = norm.gated_rms_norm_triton(heads.view(5, 64), gate.view(5, 64), w[:16], 1e-6, 16)
     assert fp8.activation_groups(gated, 16)[1].shape == (5, 4)
