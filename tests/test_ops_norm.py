@@ -55,9 +55,10 @@ def check(device, dtype, tol):
 
 
 def check_fp8_groups(device, dtype):
-    """With `group`, each kernel's output is unchanged, and the e4m3 groups it hangs on it are bit for bit
-    the reference quantisation (`quantize_block_fp8`, per token and group) of that output; its FP8 readers take them, also through the [T, heads * n] view of the
-    GDN norm's [T, heads, n] output, and quantise any other tensor themselves."""
+    """With `group`, each kernel's output is unchanged, and the e4m3 groups it hangs on it are bit for bit the
+    reference quantisation (`quantize_block_fp8`, per token and group) of that output, as rows of the output's
+    last dimension (the GDN norm's output as [T, heads, n] or [T, heads * n]); its FP8 readers take them, and
+    quantise any other tensor themselves."""
     g = torch.Generator().manual_seed(2)
     x, z = (torch.randn(5, 64, generator=g).to(device, dtype) * 3 for _ in range(2))
     w = torch.randn(64, generator=g).to(device, dtype)
