@@ -239,6 +239,32 @@ def test_ranked_routing_cpu_interpreter(shared):
         assert torch.equal(got, run(x, gate_up, down, w, e))
 
 
+@pytest.mark.parametrize("T,E,top_k,shared", [(1, 16, 4, True), (3, 16, 4, True), (7, 12, 3, False), (2, 40, 8, True)])
+def test_route_and_align_few_tokens_cpu_interpreter(T, E, top_k, shared):
+    """Up to RANK_PAIRS pairs a ranked routing aligns its pairs in the same launch: the weights and experts of the
+    torch routing, the torch align's layout exactly (pair order inside each expert's segment) over the experts
+    and the shared one, the same experts' outputs as the unranked path, and the routing counters untouched."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter case runs where there is no GPU")
+    H, I = 64, 32
+    E_all = E + shared
+    g = torch.Generator().manual_seed(60 + T)
+    x, gate_up = torch.randn(T, H, generator=g), torch.randn(E_all, 2 * I, H, generator=g) / H**0.5
+    down = torch.randn(E_all, H, I, generator=g) / I**0.5
+    logits, shared_logit = torch.randn(T, E, generator=g), torch.randn(T, 1, generator=g) if shared else None
+    counters = moe.routing_counters(torch.device("cpu"), 64)
+    w, e, aligned = moe.route_logits_triton(logits, top_k, True, shared_logit, ranked=True)
+    assert isinstance(aligned, moe.Aligned) and not counters.any()
+    w_t, e_t = moe.route_logits_torch(logits, top_k, True, shared_logit)
+    assert torch.equal(e, e_t) and (w - w_t).abs().max() <= 1e-6
+    ref_ids, ref_owners, ref_total = moe.moe_align(e, E_all, aligned.block_m, use_kernel=False)
+    tot = int(ref_total)
+    assert int(aligned.total) == tot
+    assert torch.equal(aligned.sorted_ids[:tot], ref_ids[:tot])
+    assert torch.equal(aligned.block_expert[: tot // aligned.block_m], ref_owners[: tot // aligned.block_m])
+    assert torch.equal(run(x, gate_up, down, w, e, ranks=aligned), run(x, gate_up, down, w, e))
+
+
 def test_dispatch_cpu_takes_reference():
     x, gate_up, down, weights, experts, router = make_case(5, 8, 2, 64, 32, seed=1)
     assert torch.equal(moe.fused_experts(x, gate_up, down, weights, experts),

@@ -23,7 +23,9 @@ CUDA graph:
    The order inside an expert's segment is then the atomics' (not pair order); no result depends on it, since
    every pair's row is computed on its own and lands in the pair's own row of `buf`. The counters are one zeroed
    buffer per device that every MoE layer shares (one after another on a stream); the gate/up kernel of a ranked
-   routing zeroes them again once the align has read them.
+   routing zeroes them again once the align has read them. Up to RANK_PAIRS pairs (one request's decode or verify
+   step, where launches cost more than work) one program routes every token and then aligns the pairs in pair
+   order, counting their ranks itself (`_route_align_kernel`): one launch for both, no counters.
 3. `_moe_gate_up_kernel`: a grouped GEMM over (block, I tile): gathers the block's token rows of x, multiplies by
    the block's expert's gate and up rows (two fp32 accumulators) and writes SiLU(gate) * up to `inter [P_max, I]`.
    Only experts that received tokens own blocks, so at decode only the routed experts' weights are read.
@@ -37,6 +39,8 @@ token and 128-channel group before step 3 (by the norm that produced it, when it
 group quantiser; each K step is one group, rescaled once.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -49,6 +53,16 @@ from tandem.ops.triton_utils import HAS_TRITON, use_triton, zeroed_counters
 ALIGN_CHUNK = 1024
 RANK_PAIRS = 64
 
+
+class Aligned(NamedTuple):
+    """The pairs already aligned (`moe_align`'s three results, for blocks of `block_m` rows), as the routing of a
+    few tokens hands them to `fused_experts` in place of ranks (`route_logits`)."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    total: torch.Tensor
+    block_m: int
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -56,13 +70,11 @@ if HAS_TRITON:
     from tandem.ops.fp8 import activation_groups, group_dot, quantize_activations_triton
 
     @triton.jit
-    def _route_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, counts_ptr, rank_out_ptr, E, stride_t, stride_s,
-                      TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORM: tl.constexpr,
-                      SHARED: tl.constexpr, RANKED: tl.constexpr):
-        """One token: fp32 softmax over E logits, top-k by k rounds of arg-max (lowest index on ties), renorm.
-        SHARED: one more pair, expert E with weight sigmoid(shared logit). RANKED: each pair's rank among its
-        expert's pairs, from the expert's counter."""
-        t = tl.program_id(0).to(tl.int64)
+    def _route_token(t, logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, E, stride_t, stride_s, TOP_K: tl.constexpr,
+                     K_P2: tl.constexpr, E_P2: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr):
+        """Token t: fp32 softmax over E logits, top-k by k rounds of arg-max (lowest index on ties), renorm.
+        SHARED: one more pair, expert E with weight sigmoid(shared logit). Stores its pairs' weights and experts;
+        returns the experts and their slots."""
         ex = tl.arange(0, E_P2)
         valid = ex < E
         z = tl.load(logits_ptr + t * stride_t + ex, mask=valid, other=float("-inf")).to(tl.float32)
@@ -87,9 +99,39 @@ if HAS_TRITON:
             top_e = tl.where(ks == TOP_K, E, top_e)
         tl.store(w_out_ptr + t * width + ks, top_w.to(w_out_ptr.dtype.element_ty), mask=ks < width)
         tl.store(e_out_ptr + t * width + ks, top_e, mask=ks < width)
+        return top_e, ks
+
+    @triton.jit
+    def _route_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, counts_ptr, rank_out_ptr, E, stride_t, stride_s,
+                      TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORM: tl.constexpr,
+                      SHARED: tl.constexpr, RANKED: tl.constexpr):
+        """One token a program (`_route_token`). RANKED: each pair's rank among its expert's pairs, from the
+        expert's counter."""
+        t = tl.program_id(0).to(tl.int64)
+        top_e, ks = _route_token(t, logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, E, stride_t, stride_s, TOP_K,
+                                 K_P2, E_P2, RENORM, SHARED)
         if RANKED:
+            width: tl.constexpr = TOP_K + SHARED
             tl.store(rank_out_ptr + t * width + ks, tl.atomic_add(counts_ptr + top_e, 1, mask=ks < width),
                      mask=ks < width)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _route_align_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                            T, E, stride_t, stride_s, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+                            RENORM: tl.constexpr, SHARED: tl.constexpr, EX_P2: tl.constexpr, N_P2: tl.constexpr,
+                            BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr):
+        """A few tokens (at most N_P2 pairs: a decode or verify step of one request) in one program: it routes
+        them one after another, then aligns their pairs as one `_moe_align_ranks_kernel` program would (the
+        histogram and ranks counted here; EX_P2 covers the experts, the shared one included). One launch
+        instead of two, with no counters."""
+        t = 0
+        while t < T:  # while: the interpreter cannot take a runtime value as a range() bound
+            _route_token(t, logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, E, stride_t, stride_s, TOP_K, K_P2, E_P2,
+                         RENORM, SHARED)
+            t += 1
+        tl.debug_barrier()  # every thread's pairs stored before any thread reads them back
+        _place_pairs(0, 1, e_out_ptr, e_out_ptr, e_out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                     T * (TOP_K + SHARED), EX_P2, N_P2, N_P2, N_P2, BLOCK_M, B_CHUNK, False)
 
     @triton.jit(do_not_specialize=["N"])
     def _moe_count_kernel(experts_ptr, counts_ptr, N, E_P2: tl.constexpr, CHUNK: tl.constexpr):
@@ -163,11 +205,18 @@ if HAS_TRITON:
                                 E_P2: tl.constexpr, N_P2: tl.constexpr, PAIRS: tl.constexpr, J_TILE: tl.constexpr,
                                 BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr, RANKED: tl.constexpr):
         """The layout of `_moe_align_kernel` for up to N_P2 pairs (decode, verify) by several programs instead of
-        one: each builds the whole histogram itself, places pairs [p * PAIRS, (p + 1) * PAIRS) at their expert's
-        segment start plus their rank among that expert's earlier pairs (counted in [PAIRS, J_TILE] tiles: no
-        sort), and writes its share of the padding and of `block_expert`. RANKED: the counts and ranks come from
-        the routing kernel's counters instead."""
-        p = tl.program_id(0)
+        one (`_place_pairs`)."""
+        _place_pairs(tl.program_id(0), tl.num_programs(0), experts_ptr, counts_ptr, ranks_ptr, sorted_ptr,
+                     block_expert_ptr, total_ptr, N, E_P2, N_P2, PAIRS, J_TILE, BLOCK_M, B_CHUNK, RANKED)
+
+    @triton.jit
+    def _place_pairs(p, n_programs, experts_ptr, counts_ptr, ranks_ptr, sorted_ptr, block_expert_ptr, total_ptr, N,
+                     E_P2: tl.constexpr, N_P2: tl.constexpr, PAIRS: tl.constexpr, J_TILE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr, RANKED: tl.constexpr):
+        """Program p of n_programs: each builds the whole histogram itself, places pairs [p * PAIRS, (p + 1) *
+        PAIRS) at their expert's segment start plus their rank among that expert's earlier pairs (counted in
+        [PAIRS, J_TILE] tiles: no sort), and writes its share of the padding and of `block_expert`. RANKED: the
+        counts and ranks come from the routing kernel's counters instead."""
         pairs = tl.arange(0, N_P2)
         if RANKED:
             counts = tl.load(counts_ptr + tl.arange(0, E_P2))
@@ -191,7 +240,7 @@ if HAS_TRITON:
                     ej = tl.load(experts_ptr + j, mask=j < N, other=E_P2).to(tl.int32)  # padding: no expert's
                     rank += tl.sum(((ej[None, :] == e[:, None]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
         tl.store(sorted_ptr + tl.gather(ends - padded, e, 0) + rank, i, mask=i < N)
-        _pad_and_own(sorted_ptr, block_expert_ptr, counts, padded, ends, total, N, p, tl.num_programs(0), E_P2,
+        _pad_and_own(sorted_ptr, block_expert_ptr, counts, padded, ends, total, N, p, n_programs, E_P2,
                      BLOCK_M, B_CHUNK)
 
     @triton.jit
@@ -318,7 +367,9 @@ def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool, shared_log
     weight sigmoid(shared_logit), so both are [T, top_k + 1]. `ranked` given: a third result, each pair's rank
     among its expert's pairs (int32, same shape) when `ranked` and the kernel path counted them (up to
     ALIGN_CHUNK pairs), else None; ranks must go to `fused_experts` with these experts, which resets the
-    counters they came from."""
+    counters they came from. Up to RANK_PAIRS pairs (one request's decode or verify step) the kernel path
+    aligns them in the routing launch instead, and the third result is that layout (`Aligned`), for
+    `fused_experts` in place of ranks, with the experts all on this rank (the shared expert as expert E)."""
     if use_triton(logits):
         return route_logits_triton(logits, top_k, renormalize, shared_logit, ranked)
     out = route_logits_torch(logits, top_k, renormalize, shared_logit)
@@ -396,6 +447,8 @@ def route_logits_triton(logits, top_k, renormalize, shared_logit=None, ranked=No
     width = top_k + (shared_logit is not None)
     weights = torch.empty(T, width, dtype=logits.dtype, device=logits.device)
     experts = torch.empty(T, width, dtype=torch.int64, device=logits.device)
+    if ranked and 0 < T * width <= RANK_PAIRS:
+        return weights, experts, _route_and_align(logits, shared_logit, weights, experts, top_k, renormalize)
     wanted, ranked = ranked is not None, bool(ranked) and 0 < T * width <= ALIGN_CHUNK  # more: sorting path
     ranks = torch.empty(T, width, dtype=torch.int32, device=logits.device) if ranked else None
     if T:
@@ -409,6 +462,28 @@ def route_logits_triton(logits, top_k, renormalize, shared_logit=None, ranked=No
                             E_P2=triton.next_power_of_2(E), RENORM=renormalize, SHARED=shared_logit is not None,
                             RANKED=ranked, num_warps=1 if E <= 1024 else 4)
     return (weights, experts, ranks) if wanted else (weights, experts)
+
+
+def _route_and_align(logits, shared_logit, weights, experts, top_k, renormalize) -> Aligned:
+    """`_route_align_kernel` into `weights` and `experts`; the layout for the block rows `fused_experts` takes
+    at this many pairs over these experts (the shared expert, when routed, as expert E)."""
+    T, E = logits.shape
+    n_experts = E + (shared_logit is not None)
+    n = experts.numel()
+    block_m = _configs(n, n_experts)[0]
+    p_max = padded_size(n, n_experts, block_m)
+    out = Aligned(torch.empty(p_max, dtype=torch.int32, device=logits.device),
+                  torch.empty(p_max // block_m, dtype=torch.int32, device=logits.device),
+                  torch.empty(1, dtype=torch.int32, device=logits.device), block_m)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    shared = logits if shared_logit is None else shared_logit
+    _route_align_kernel[(1,)](
+        logits, shared, weights, experts, out.sorted_ids, out.block_expert, out.total, T, E, logits.stride(0),
+        shared.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(weights.shape[1]), E_P2=triton.next_power_of_2(E),
+        RENORM=renormalize, SHARED=shared_logit is not None, EX_P2=triton.next_power_of_2(n_experts),
+        N_P2=max(16, triton.next_power_of_2(n)), BLOCK_M=block_m, B_CHUNK=16, num_warps=4)
+    return out
 
 
 def padded_size(n_pairs: int, num_experts: int, block_m: int) -> int:
@@ -507,7 +582,12 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     x = x.contiguous() if x.stride(1) != 1 else x
     gate_up, down = gate_up.contiguous(), down.contiguous()
     route_w = weights.reshape(-1).contiguous()
-    sorted_ids, block_expert, total = moe_align(experts, E, bm, align_kernel, ranks=ranks)
+    if isinstance(ranks, Aligned):  # the routing launch aligned the pairs already
+        assert ranks.block_m == bm, "aligned for other block rows than this tiling's"
+        sorted_ids, block_expert, total, _ = ranks
+        ranks = None  # no counters to reset
+    else:
+        sorted_ids, block_expert, total = moe_align(experts, E, bm, align_kernel, ranks=ranks)
     num_blocks = block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     fp8 = block is not None
