@@ -381,9 +381,9 @@ def _gemm_tiles(M: int, N: int, KB: int, sms: int) -> tuple[int, int, int, int, 
 def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=1):
     """The kernel path: x's e4m3 groups (its producer's, or one launch of the quantiser), then the GEMM (split
     over K when `tiles` or the choice says so). `tiles` = (BLOCK_M, BLOCK_N, K splits, warps, stages) overrides
-    the choice (tests). (Each
-    GEMM program quantising its own rows' groups instead, with the quantiser's IEEE divisions, was 3-5x slower at
-    decode (`afc28a4`), and again since (`7d0cd0d`, undone): every N tile redoes them.)"""
+    the choice (tests). (Each GEMM program quantising its own rows' groups instead, with the quantiser's IEEE
+    divisions, was 3-5x slower at decode (`afc28a4`), and again since (`7d0cd0d`, undone): every N tile redoes
+    them.)"""
     N, K = w.shape
     if x.shape[-1] != K or tuple(scale_inv.shape) != scale_shape(w.shape, block):
         raise ValueError(f"w8a8_linear: x {tuple(x.shape)}, w {tuple(w.shape)}, scale_inv "

@@ -63,6 +63,7 @@ class Aligned(NamedTuple):
     total: torch.Tensor
     block_m: int
 
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
