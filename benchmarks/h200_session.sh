@@ -2,8 +2,8 @@
 # One GPU session's measurements in one command: the GPU tests, the step benchmark (with the HF peer) and the
 # serving benchmarks, each writing its full output under $OUT (default ./h200-out) and printing a short summary.
 #
-#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [mixed] [fp8] [serve] [pd]
-#     (no argument: tests step serve pd)
+#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [mixed] [fp8] [serve] [pd] [tp]
+#     (no argument: tests step serve pd; tp needs two GPUs)
 #     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; STEP: step.py's arguments;
 #     OPS_ROWS: prefill_ops.py --rows; MIXED_BUDGETS: the step budgets of the mixed part (default "2048 8192");
 #     SERVE_FLAGS: more `tandem serve` flags of the colocated runs, TAG: a suffix of their result names;
@@ -140,6 +140,18 @@ for part in $PARTS; do
             --max-num-seqs 32 --max-model-len 2048 --num-speculative-tokens 2 --emulated-acceptance 0.84,0.66 -- \
             --model $PD_MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $OUT_LEN --ignore-eos \
             --max-concurrency 32 --num-prompts $PROMPTS --num-warmups 2 ;;
-    *) echo "unknown part $part (tests, step, ops, profile, mixed, fp8, serve, pd)"; exit 2 ;;
+    tp)  # two GPUs (issue 10): step and colocated serving at TP = 2; 1P1D across the GPUs over NCCL, against the link
+        timeout 900 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE --batch-sizes 1,32 --k 0,2 \
+            --prompt-len 256 --steps 20 --prefill 8x2048 --tensor-parallel-size 2 --json "$OUT/step-tp2.json" \
+            > "$OUT/step-tp2.txt" 2>&1
+        sed -n '/===== summary/,$p' "$OUT/step-tp2.txt"
+        serve_bench "colocated_tp2_k2" --model $MODEL --dtype $DTYPE --prefill-workers 0 --tensor-parallel-size 2 \
+            --max-num-seqs 64 --max-model-len 2048 --num-speculative-tokens 2 --emulated-acceptance 0.84,0.66 -- \
+            --model $MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $OUT_LEN --ignore-eos \
+            --max-concurrency 32 --num-prompts $PROMPTS --num-warmups 2
+        timeout 900 python3 benchmarks/handoff.py --model $MODEL --dtype $DTYPE --transfer-backend torch_distributed \
+            --ceiling-gbs 0 > "$OUT/handoff-nccl.txt" 2>&1
+        cat "$OUT/handoff-nccl.txt" | tail -12 ;;
+    *) echo "unknown part $part (tests, step, ops, profile, mixed, fp8, serve, pd, tp)"; exit 2 ;;
     esac
 done

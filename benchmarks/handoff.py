@@ -5,8 +5,13 @@ per prompt length next to the copy ceiling.
 
 Greedy requests go one at a time first, so the prefill and decode workers run the same shapes as the colocated
 engine and outputs must be identical; then a concurrent batch checks the same under load. Bytes and seconds come
-from the prefill worker's metrics (per request: the difference around it). The ceiling is a same-GPU copy
-(--ceiling-gbs, ~2000 GB/s on an H200 for a read plus a write of each byte).
+from the prefill worker's metrics (per request: the difference around it). The ceiling is a copy between the two
+workers' devices (--ceiling-gbs; 0: measured here, from the first GPU to the second when there are two, as
+`tandem serve` then places the prefill worker on the first and the decode worker on the second, else within the
+GPU: ~2000 GB/s on an H200 for a read plus a write of each byte).
+
+    python benchmarks/handoff.py --model qwen3.5-35b-a3b --dtype bfloat16 --transfer-backend torch_distributed \
+        --ceiling-gbs 0    # two GPUs: NCCL between them, against the measured link
 """
 
 from __future__ import annotations
@@ -33,6 +38,21 @@ def handoff_totals(metrics_address: str) -> tuple[float, float, float]:
             values["tandem:handoff_seconds_count"])
 
 
+def copy_gbs(src: str, dst: str, nbytes: int = 1 << 28, reps: int = 10) -> float:
+    """GB/s of a device-to-device copy of `nbytes` from `src` to `dst` (the hand-off's ceiling between them)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    b.copy_(a)  # warm: peer access, allocations
+    torch.cuda.synchronize(src)
+    torch.cuda.synchronize(dst)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+    torch.cuda.synchronize(src)
+    torch.cuda.synchronize(dst)
+    return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3.5-0.8b")
@@ -43,8 +63,14 @@ def main() -> int:
     ap.add_argument("--concurrent-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--ceiling-gbs", type=float, default=2000.0)
+    ap.add_argument("--ceiling-gbs", type=float, default=2000.0, help="0: measure the copy between the workers' GPUs")
     args = ap.parse_args()
+    if not args.ceiling_gbs:
+        if not torch.cuda.is_available():
+            raise SystemExit("--ceiling-gbs 0 measures a GPU copy: there is no GPU")
+        pair = ("cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+        args.ceiling_gbs = copy_gbs(*pair)
+        print(f"ceiling: {pair[0]} -> {pair[1]} copy at {args.ceiling_gbs:.0f} GB/s")
 
     lens = [int(n) for n in args.prompt_lens.split(",")]
     g = torch.Generator().manual_seed(0)
@@ -68,8 +94,8 @@ def main() -> int:
     try:
         info = serve.client.server_info()
         prefill_metrics = serve.metrics[1]
-        print(f"model {args.model} {args.dtype}, k={args.k}, transfer backend {args.transfer_backend}, "
-              f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+        gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
+        print(f"model {args.model} {args.dtype}, k={args.k}, transfer backend {args.transfer_backend}, device {gpus}")
         print(f"{'prompt':>7} {'equal':>6} {'hand-off MB':>12} {'ms':>8} {'GB/s':>8} {'ceiling ms':>11} {'ratio':>7}")
         for prompt, want in zip(sequential, want_seq):
             before = handoff_totals(prefill_metrics)

@@ -66,7 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tandem.config import EngineConfig, parse_dtype  # noqa: E402
-from tandem.engine.llm import Engine, load_model  # noqa: E402
+from tandem.engine.llm import Engine, build_model, load_model, model_config  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.model.presets import PRESETS  # noqa: E402
 from tandem.model.qwen3_5 import DecoderLayer  # noqa: E402
@@ -180,6 +180,24 @@ def prompt(i: int, length: int, vocab: int) -> list[int]:
     return [(7 * i + j) % vocab for j in range(length)]
 
 
+def new_engine(cfg, model, args, ecfg: EngineConfig) -> Engine:
+    """An engine over `model`, or with --tensor-parallel-size N > 1 over N ranks launched for it, as a serving
+    worker launches them (each rank's cache pools follow the engine config); `release` stops them."""
+    if args.tensor_parallel_size > 1:
+        model = build_model(args.model, ecfg, tensor_parallel_size=args.tensor_parallel_size)[1]
+    return Engine(cfg, model, ecfg)
+
+
+def release(eng: Engine, args) -> None:
+    """The tensor-parallel ranks of `new_engine` stopped and their memory given back (nothing on one rank)."""
+    if args.tensor_parallel_size > 1:
+        eng.runner.model.shutdown()
+        del eng
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
 def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]) -> dict:
     """One engine of `batch` requests: prefill, --warmup-steps, then --steps timed decode (k = 0) or verify steps."""
     # nobody finishes inside the timed (or --profile) steps, even accepting every draft, though the first requests
@@ -192,7 +210,7 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
     ecfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=batch + count,
                         max_model_len=max(args.prompt_len + max_tokens, length) + k + 8, max_num_batched_tokens=budget,
                         num_speculative_tokens=k, emulated_acceptance=rates[:k] if k else None)
-    eng = Engine(cfg, model, ecfg)
+    eng = new_engine(cfg, model, args, ecfg)
     eng.capture_graphs()  # every bucket now, so no capture falls into the timed or profiled steps
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     seqs = []
@@ -214,7 +232,7 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
     ms = seconds / args.steps * 1e3
     context = args.prompt_len + (2 * before + emitted) / (2 * batch)  # mean over the timed steps
     dtype_bytes = torch.tensor([], dtype=ecfg.dtype).element_size()
-    verify, drafting = step_bytes(cfg, model, batch, context, dtype_bytes, k)
+    verify, drafting = step_bytes(cfg, eng.runner.model, batch, context, dtype_bytes, k)  # rank 0's: per GPU
     to_ms = 1e3 / (args.bandwidth_gbs * 1e9)
     row = dict(batch=batch, k=k, step_ms=ms, floor_ms=(verify + drafting) * to_ms, verify_floor_ms=verify * to_ms,
                draft_floor_ms=drafting * to_ms, context=context, emitted=emitted,
@@ -229,6 +247,7 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
         row["mixed"] = tandem_mixed(eng, cfg, args, batch, ms)
     for s in seqs:
         eng.abort(s.request_id)
+    release(eng, args)
     return row
 
 
@@ -283,7 +302,7 @@ def prefill_engine(cfg, model, args, count: int, length: int, budget: int) -> tu
     captured (as a serving worker does before it takes requests); returns it and the capture's seconds."""
     ecfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=count, max_model_len=length + 8,
                         max_num_batched_tokens=budget)
-    eng = Engine(cfg, model, ecfg)
+    eng = new_engine(cfg, model, args, ecfg)
     t0 = time.perf_counter()
     eng.capture_graphs()
     return eng, time.perf_counter() - t0
@@ -529,6 +548,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of a few profiled steps")
     ap.add_argument("--host-profile", action="store_true", help="also print where a prefill run's host time goes")
     ap.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks (GPUs) per engine, each run launching its own, as `tandem serve` does; floors per GPU")
     ap.add_argument("--quantizer-launches", action="store_true",
                     help="FP8: quantise each GEMM input by a launch of its own instead of in the kernel that "
                          "produced it (the norms, the attention output gate), to compare the two")
@@ -545,7 +566,12 @@ def main():
 
     synchronize(args.device)
     t0 = time.perf_counter()
-    cfg, model, _ = load_model(args.model, args.device, dtype)
+    if args.tensor_parallel_size > 1:  # each run launches its ranks (`new_engine`)
+        if args.quantizer_launches:
+            raise SystemExit("--quantizer-launches: FP8 compute does not run under tensor parallelism")
+        cfg, model = model_config(args.model)[0], None
+    else:
+        cfg, model, _ = load_model(args.model, args.device, dtype)
     if args.quantizer_launches:
         for layer in model.modules():
             if isinstance(layer, DecoderLayer):
@@ -553,7 +579,9 @@ def main():
     synchronize(args.device)
     res["load_s"] = time.perf_counter() - t0
     print(f"model={args.model} dtype={args.dtype} device={args.device} prompt={args.prompt_len} "
-          f"floor bandwidth={args.bandwidth_gbs:.0f} GB/s (loaded in {res['load_s']:.1f} s)")
+          f"floor bandwidth={args.bandwidth_gbs:.0f} GB/s (loaded in {res['load_s']:.1f} s)"
+          + (f"; tensor parallel over {args.tensor_parallel_size} ranks, each run launching its own, floors per "
+             "rank, no CUDA graphs" if args.tensor_parallel_size > 1 else ""))
     for k in ks:
         acc = f", emulated acceptance {rates[:k]}" if k else ""
         print(f"\ndecode k={k}{acc}" + (": a step verifies k+1 rows per request and drafts k" if k else ""))
@@ -577,6 +605,7 @@ def main():
                 profile_prefill(eng, cfg, args, count, length)
             if args.host_profile:
                 host_profile_prefill(eng, cfg, args, count, length)
+            release(eng, args)
             del eng
 
     if args.hf_peer:
