@@ -343,6 +343,44 @@ def test_w8a8_logits_against_the_dequantised_model(fp8_dir):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_w8a8_kernel_path_quantises_in_the_producers_cpu_interpreter(fp8_dir, monkeypatch):
+    """The whole W8A8 model on the kernel path (every op's Triton dispatch switched on for CPU tensors, under the
+    interpreter): the e4m3 groups the norms and the attention output gate write give the logits of separate
+    quantiser launches bit for bit, only the experts' SwiGLU outputs are then quantised by a launch of their own,
+    and the logits keep the W8A8 bounds against the dequantised model."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter case runs where there is no GPU")
+    from tandem.model.qwen3_5 import DecoderLayer
+    from tandem.ops import attention, gdn, linear, moe, norm, pointwise, rope
+    from tandem.ops import fp8 as fp8_ops
+
+    for module in (attention, fp8_ops, gdn, linear, moe, norm, pointwise, rope):
+        monkeypatch.setattr(module, "use_triton", lambda x: True)
+    launches = []
+    quantize = fp8_ops.quantize_activations_triton
+
+    def counted(x, group, rows=None):
+        launches.append(rows is not None)  # rows on the device: the experts' SwiGLU output
+        return quantize(x, group, rows)
+
+    monkeypatch.setattr(fp8_ops, "quantize_activations_triton", counted)
+    monkeypatch.setattr(moe, "quantize_activations_triton", counted)
+    cfg = ModelConfig.from_dir(fp8_dir)
+    ids = prompt_ids()[:12]
+    model = load_w8a8(fp8_dir)
+    fused = logits(cfg, model, ids)
+    assert launches and all(launches), "a norm or output gate left its FP8 GEMM input to the quantiser"
+    n_fused = len(launches)
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer):
+            layer.quantize_in_producers(False)
+    assert torch.equal(logits(cfg, model, ids), fused)
+    assert len(launches) - n_fused > n_fused  # the separate launches were there to save
+    want = logits(cfg, load_checkpoint(fp8_dir, cfg, "cpu", torch.float32, progress=False), ids)  # dequantised
+    lp, lq = want.log_softmax(-1), fused.log_softmax(-1)
+    assert (fused - want).abs().max() <= W8A8_TOL and (lp.exp() * (lp - lq)).sum(-1).max() <= W8A8_KL_TOL
+
+
 def test_w8a8_layout_mismatch_is_a_clear_error(fp8_dir, tmp_path):
     t = read_all(fp8_dir)
     name = "model.language_model.layers.0.linear_attn.in_proj_z.weight"

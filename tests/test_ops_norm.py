@@ -1,5 +1,5 @@
 """Norm kernels: Triton and torch reference against fp64 maths; on the GPU also in bf16. And the e4m3 groups the
-norms (and the attention output gate) write for the FP8 GEMMs that read their output."""
+norms (and the attention output gate and the SwiGLU) write for the FP8 GEMMs that read their output."""
 
 import pytest
 import torch
@@ -70,7 +70,8 @@ def check_fp8_groups(device, dtype):
             (16, lambda gr: norm.add_rms_norm_1p_triton(x, parts, w, 1e-6, gr)[1]),
             (16, lambda gr: norm.gated_rms_norm_triton(heads, gate, w[:16], 1e-6, gr)),  # [T, heads, n]
             (16, lambda gr: norm.gated_rms_norm_triton(heads.view(5, 64), gate.view(5, 64), w[:16], 1e-6, gr)),
-            (32, lambda gr: pointwise.sigmoid_gate_triton(x.contiguous(), gate, block=32, group=gr))]  # 2 programs
+            (32, lambda gr: pointwise.sigmoid_gate_triton(x.contiguous(), gate, block=32, group=gr)),  # 2 programs
+            (32, lambda gr: pointwise.silu_mul_triton(x, z, block=64, group=gr))]  # 2 groups a program
     for group, run in runs:
         plain, out = run(None), run(group)
         assert torch.equal(out, plain)
@@ -83,9 +84,12 @@ def check_fp8_groups(device, dtype):
         oq, os_ = fp8.activation_groups(other, group)
         assert oq.data_ptr() != q.data_ptr()
         assert torch.equal(os_, fp8.quantize_block_fp8(other.reshape(-1, other.shape[-1]), (1, group))[1])
-    # the GDN out projection's input: the norm's [T, heads * n] output has the groups of its own rows
-    gated = norm.gated_rms_norm_triton(heads.view(5, 64), gate.view(5, 64), w[:16], 1e-6, 16)
-    assert fp8.activation_groups(gated, 16)[1].shape == (5, 4)
+    # the GDN out projection's input: the norm's [T, heads * n] output has the groups of its own rows, also
+    # groups of several heads (two of 16 values here, as two GDN heads of 64 in a 128-group)
+    gated = norm.gated_rms_norm_triton(heads.view(5, 64), gate.view(5, 64), w[:16], 1e-6, 32)
+    q, s = fp8.activation_groups(gated, 32)
+    want_q, want_s = fp8.quantize_block_fp8(gated, (1, 32))
+    assert s.shape == (5, 2) and torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     # 48 channels (not a power of two) or a group that does not divide them: no groups written, readers quantise
     for x_odd, group in ((torch.randn(3, 48, generator=g).to(device, dtype), 16), (x, 128)):
         out = norm.rms_norm_1p_triton(x_odd, w[: x_odd.shape[1]], 1e-6, group)

@@ -333,6 +333,7 @@ class MLP(_FusedProjections):
     """SwiGLU over this rank's share of the intermediate channels (the whole of them on one rank)."""
 
     _fused_names = ("gate_proj.weight", "up_proj.weight")
+    act_fp8_group: int | None = None  # the SwiGLU kernel quantises for an FP8 down_proj (as the norms do)
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
@@ -344,7 +345,7 @@ class MLP(_FusedProjections):
 
     def swiglu_down(self, gate, up):
         """The rest of the MLP, from the gate and up projections of its input."""
-        return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(silu_mul(gate, up, self.act_fp8_group))
 
 
 class Experts(nn.Module):
@@ -501,8 +502,9 @@ class DecoderLayer(nn.Module):
     def quantize_in_producers(self, on: bool = True):
         """The kernel before each FP8 GEMM writes the e4m3 groups of its input (one quantiser launch fewer each):
         the input norm for the attention / GDN projections, the post-attention norm for the MLP or MoE block,
-        the GDN output norm and the attention output gate for the out projections. `on=False`: none does (each
-        GEMM's input is quantised by a launch of its own; benchmarks compare the two)."""
+        the GDN output norm and the attention output gate for the out projections, the SwiGLU of a dense MLP
+        or of a shared expert run as an MLP for its down projection. `on=False`: none does (each GEMM's input is
+        quantised by a launch of its own; benchmarks compare the two)."""
         mixer = self.self_attn if self.is_attention else self.linear_attn
         self.input_layernorm.fp8_group = mixer.fp8_input_group() if on else None
         self.post_attention_layernorm.fp8_group = self.mlp.fp8_input_group() if on else None
@@ -512,6 +514,10 @@ class DecoderLayer(nn.Module):
             mixer.o_fp8_group = group
         else:
             mixer.norm.fp8_group = group
+        for mlp in self.mlp.modules():
+            if isinstance(mlp, MLP):
+                down = mlp.down_proj
+                mlp.act_fp8_group = down.block[1] if on and isinstance(down, Fp8Linear) else None
 
     def steps(self, h, delta, batch: ForwardBatch, inv_freq, cache):
         """The residual stream is `h + delta` (delta: the previous block's output, not yet added, possibly as

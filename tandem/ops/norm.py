@@ -63,10 +63,10 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n_rows, n_cols, heads, stride_zt,
-                               stride_zh, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, QUANTIZE: tl.constexpr):
+                               stride_zh, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr):
         """ROWS rows of x (contiguous [n_rows, n_cols]) per program; row r's gate is z[r // heads, r % heads], read
-        in place from the projection output it is a view of. QUANTIZE: each row is also one e4m3 group (n_cols ==
-        BLOCK == the group size), its scale at s[r]."""
+        in place from the projection output it is a view of. G > 0: also the output's e4m3 groups of G values in
+        memory order (n_cols == BLOCK, and a program's ROWS * BLOCK values are whole groups)."""
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -80,10 +80,11 @@ if HAS_TRITON:
         scaled = (normed * w.to(dt)[None, :]).to(tl.float32)
         y = (scaled * z * tl.sigmoid(z)).to(dt)
         tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], y, mask=mask)
-        if QUANTIZE:
-            q, s = quantize_rows(y.to(tl.float32))
-            tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], q, mask=mask)
-            tl.store(s_ptr + rows, s, mask=rows < n_rows)
+        if G > 0:  # a group never straddles two programs, so masked rows make whole masked groups
+            q, s = quantize_rows(tl.reshape(y.to(tl.float32), (ROWS * BLOCK // G, G)))
+            tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], tl.reshape(q, (ROWS, BLOCK)), mask=mask)
+            g = tl.program_id(0) * (ROWS * BLOCK // G) + tl.arange(0, ROWS * BLOCK // G)
+            tl.store(s_ptr + g, s, mask=g < n_rows * BLOCK // G)
 
 
 def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int | None = None) -> torch.Tensor:
@@ -142,8 +143,10 @@ def _groups_for(out, group, block):
 def _with_groups(out, q, s, group, shape):
     """`out` viewed as `shape`, with the groups its kernel wrote (if it wrote them) hung on that view."""
     y = out.view(shape)
+    if not group or shape[-1] % group:  # none written, or rows that are not whole groups: no reader's input
+        return y
     rows = q.numel() // shape[-1]  # of y as [rows, K], the shape its readers quantise it in
-    return attach_activation_groups(y, q.view(rows, -1), s.view(rows, -1), group) if group else y
+    return attach_activation_groups(y, q.view(rows, -1), s.view(rows, -1), group)
 
 
 def rms_norm_1p_triton(x, weight, eps, group=None):
@@ -155,8 +158,8 @@ def rms_norm_1p_triton(x, weight, eps, group=None):
 
 def gated_rms_norm_triton(x, z, weight, eps, group=None):
     """x, z: [T, heads, n] or [T, heads * n] (or [R, n]), n = len(weight): each head's n values normed and gated;
-    z may be strided over its leading dims (a view of a fused projection). `group` == n: each head's values are
-    also one e4m3 group of the output (as [T, heads * n] rows)."""
+    z may be strided over its leading dims (a view of a fused projection). `group`: the output's e4m3 groups too
+    (as rows of its last dimension), when a token's values are whole groups."""
     n = weight.shape[0]
     x2, out, block = _rows(x.reshape(-1, n))
     if x.shape[-1] != n:  # [T, heads * n]
@@ -165,14 +168,15 @@ def gated_rms_norm_triton(x, z, weight, eps, group=None):
         z3 = z if z.dim() == 3 else z.reshape(-1, 1, n)
     if z3.stride(2) != 1:
         z3 = z3.contiguous()
-    quantize = group == n == block
-    q, s = (torch.empty(out.shape, dtype=FP8_DTYPE, device=out.device),
-            torch.empty(out.shape[0], 1, dtype=torch.float32, device=out.device)) if quantize else (out, out)
     rows = max(1, min(32, 4096 // block))  # several rows a program: a row of a GDN head is only 128 values
+    g = group if group and n == block and not group & (group - 1) and (rows * n) % group == 0 \
+        and (z3.shape[1] * n) % group == 0 else 0  # whole groups a program, none across two tokens
+    q, s = (torch.empty(out.shape, dtype=FP8_DTYPE, device=out.device),
+            torch.empty(out.numel() // g, dtype=torch.float32, device=out.device)) if g else (out, out)
     _gated_rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
         x2, z3, weight, out, q, s, x2.shape[0], x2.shape[1], z3.shape[1], z3.stride(0), z3.stride(1), eps,
-        BLOCK=block, ROWS=rows, QUANTIZE=quantize)
-    return _with_groups(out, q, s, group if quantize else 0, x.shape)
+        BLOCK=block, ROWS=rows, G=g)
+    return _with_groups(out, q, s, g, x.shape)
 
 
 def add_rms_norm_1p_triton(h, delta, weight, eps, group=None):

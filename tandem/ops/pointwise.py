@@ -2,6 +2,9 @@
 not by their bytes): a torch reference and a Triton kernel for each, behind one dispatch.
 
 - `silu_mul(gate, up)`: the SwiGLU activation `silu(gate) * up`.
+
+The SwiGLU and the output gate take `group` as the norms do (`tandem.ops.norm`): they then also write their
+output's e4m3 groups for the FP8 GEMM that reads it.
 - `sigmoid_gate(x, gate)`: gated attention's output gate `x * sigmoid(gate)`, gate [T, heads, head_dim] read
   where the fused q | gate projection left it (no copy).
 - `gdn_gates(a, b, A_log, dt_bias)`: Gated DeltaNet's per-head gates, `beta = sigmoid(b)` and the fp32 log-decay
@@ -26,7 +29,9 @@ if HAS_TRITON:
     from tandem.ops.fp8 import store_groups
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
+                         G: tl.constexpr):
+        """G > 0: also the output's e4m3 groups of G (then BLOCK divides n_cols)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -34,7 +39,10 @@ if HAS_TRITON:
         u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0)
         dt = out_ptr.dtype.element_ty
         act = (g * tl.sigmoid(g)).to(dt)
-        tl.store(out_ptr + row * n_cols + cols, (act.to(tl.float32) * u.to(tl.float32)).to(dt), mask=ok)
+        y = (act.to(tl.float32) * u.to(tl.float32)).to(dt)
+        tl.store(out_ptr + row * n_cols + cols, y, mask=ok)
+        if G > 0:
+            store_groups(y, q_ptr, s_ptr, row * n_cols + tl.program_id(1) * BLOCK, BLOCK, G)
 
     @triton.jit
     def _sigmoid_gate_kernel(x_ptr, gate_ptr, out_ptr, q_ptr, s_ptr, n_cols, stride_gt, stride_gh, HD: tl.constexpr,
@@ -94,8 +102,9 @@ if HAS_TRITON:
         tl.store(out_ptr + t * H + cols, (acc.to(dt).to(tl.float32) + gated).to(dt), mask=ok)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return silu_mul_triton(gate, up) if use_triton(gate) else silu_mul_torch(gate, up)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, group=None) -> torch.Tensor:
+    """`group`: as `sigmoid_gate`'s (the FP8 down projection's)."""
+    return silu_mul_triton(gate, up, group=group) if use_triton(gate) else silu_mul_torch(gate, up)
 
 
 def sigmoid_gate(x, gate, group=None):
@@ -135,15 +144,28 @@ def _row_major(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def silu_mul_triton(gate, up, block=1024):
+def _column_groups(out, block, group):
+    """(q, s, G) for a kernel whose programs each write BLOCK columns of a row of `out` [R, n], when each
+    program's columns are whole e4m3 groups of `group` (it then writes those too), else (out, out, 0)."""
+    R, n = out.shape
+    g = group if group and n % block == 0 and block % group == 0 else 0
+    if not g:
+        return out, out, 0
+    return (torch.empty(R, n, dtype=FP8_DTYPE, device=out.device),
+            torch.empty(R, n // g, dtype=torch.float32, device=out.device), g)
+
+
+def silu_mul_triton(gate, up, block=1024, group=None):
     shape, n = gate.shape, gate.shape[-1]
     gate, up = _row_major(gate.reshape(-1, n)), _row_major(up.reshape(-1, n))
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    block = min(block, triton.next_power_of_2(n))
+    q, s, g = _column_groups(out, block, group)
     if gate.shape[0]:
-        block = min(block, triton.next_power_of_2(n))
-        _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0),
-                                                                 BLOCK=block)
-    return out.view(shape)
+        _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, out, q, s, n, gate.stride(0),
+                                                                 up.stride(0), BLOCK=block, G=g)
+    y = out.view(shape)
+    return attach_activation_groups(y, q, s, g) if g else y
 
 
 def sigmoid_gate_triton(x, gate, block=1024, group=None):
@@ -151,9 +173,7 @@ def sigmoid_gate_triton(x, gate, block=1024, group=None):
     assert x.is_contiguous() and gate.stride(2) == 1 and gate.shape[1] * gate.shape[2] == n
     out = torch.empty_like(x)
     block = min(block, triton.next_power_of_2(n))
-    g = group if group and n % block == 0 and block % group == 0 else 0  # programs of whole groups only
-    q, s = (torch.empty(T, n, dtype=FP8_DTYPE, device=x.device),
-            torch.empty(T, n // g, dtype=torch.float32, device=x.device)) if g else (out, out)
+    q, s, g = _column_groups(out, block, group)
     if T:
         _sigmoid_gate_kernel[(T, triton.cdiv(n, block))](x, gate, out, q, s, n, gate.stride(0), gate.stride(1),
                                                          HD=gate.shape[2], BLOCK=block, G=g)
