@@ -222,7 +222,7 @@ class _FusedProjections(nn.Module):
 
     def fp8_input_group(self) -> int | None:
         """The activation group of the FP8 GEMMs among the projections of the input (None: no FP8 GEMM)."""
-        return next((m.block[1] for m in map(self._projection, self._fused_names) if isinstance(m, Fp8Linear)), None)
+        return next(filter(None, map(_fp8_group, map(self._projection, self._fused_names))), None)
 
     def project(self, x):
         if self._groups is None:
@@ -243,6 +243,11 @@ class _FusedProjections(nn.Module):
         if fused:
             self.fuse()
         return self
+
+
+def _fp8_group(m: nn.Module) -> int | None:
+    """The activation group of an FP8 projection (None: not FP8)."""
+    return m.block[1] if isinstance(m, Fp8Linear) else None
 
 
 def _apply_linear(m: nn.Module, x):
@@ -508,16 +513,14 @@ class DecoderLayer(nn.Module):
         mixer = self.self_attn if self.is_attention else self.linear_attn
         self.input_layernorm.fp8_group = mixer.fp8_input_group() if on else None
         self.post_attention_layernorm.fp8_group = self.mlp.fp8_input_group() if on else None
-        out_proj = mixer.o_proj if self.is_attention else mixer.out_proj
-        group = out_proj.block[1] if on and isinstance(out_proj, Fp8Linear) else None
+        group = _fp8_group(mixer.o_proj if self.is_attention else mixer.out_proj) if on else None
         if self.is_attention:
             mixer.o_fp8_group = group
         else:
             mixer.norm.fp8_group = group
         for mlp in self.mlp.modules():
             if isinstance(mlp, MLP):
-                down = mlp.down_proj
-                mlp.act_fp8_group = down.block[1] if on and isinstance(down, Fp8Linear) else None
+                mlp.act_fp8_group = _fp8_group(mlp.down_proj) if on else None
 
     def steps(self, h, delta, batch: ForwardBatch, inv_freq, cache):
         """The residual stream is `h + delta` (delta: the previous block's output, not yet added, possibly as

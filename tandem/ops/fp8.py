@@ -222,9 +222,19 @@ def quantize_activations_triton(x, group, rows=None):
 _GROUPS_ATTR = "_fp8_activation_groups"
 
 
+def group_buffers(out: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised buffers for a kernel that also writes `out`'s e4m3 groups of `group` consecutive values:
+    the values in out's layout, and one fp32 scale per group in memory order."""
+    return (torch.empty(out.shape, dtype=FP8_DTYPE, device=out.device),
+            torch.empty(out.numel() // group, dtype=torch.float32, device=out.device))
+
+
 def attach_activation_groups(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
-    """x [..., K] with q [R, K], its e4m3 values, and s [R, K / group], their scales, hung on it; returns x."""
-    setattr(x, _GROUPS_ATTR, (group, q, s))
+    """x [..., K] (contiguous) with its groups as `group_buffers` holds them, once written, hung on it as its
+    readers take them (rows of K); returns x. Rows that are not whole groups can feed no GEMM: nothing hung."""
+    K = x.shape[-1]
+    if K % group == 0:
+        setattr(x, _GROUPS_ATTR, (group, q.view(-1, K), s.view(-1, K // group)))
     return x
 
 
@@ -286,7 +296,8 @@ def _scaled_mm(xq, xs, w, scale_inv, layout, out_dtype):
 
 
 def w8a8_linear_cublas(x, w, scale_inv, layout):
-    """x quantised by the group quantiser, then torch's block-scaled matmul with the scales in `layout`."""
+    """x's e4m3 groups (its producer's, or the group quantiser's), then torch's block-scaled matmul with the
+    scales in `layout`."""
     N, K = w.shape
     xq, xs = activation_groups(x, 128)
     return _scaled_mm(xq, xs, w, scale_inv, layout, x.dtype).view(*x.shape[:-1], N)
@@ -307,7 +318,7 @@ def cublas_layout(device: torch.device) -> tuple[int, int] | None:
 
 
 def _device_index(device: torch.device) -> int:
-    if device.type != "cuda":
+    if device.type != "cuda":  # the kernels on CPU tensors (the interpreter tests): one key for them
         return -1
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -357,7 +368,7 @@ _SM_COUNT: dict[int, int] = {}
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":  # the interpreter: one "SM"
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]

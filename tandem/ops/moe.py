@@ -448,14 +448,15 @@ def route_logits_triton(logits, top_k, renormalize, shared_logit=None, ranked=No
     width = top_k + (shared_logit is not None)
     weights = torch.empty(T, width, dtype=logits.dtype, device=logits.device)
     experts = torch.empty(T, width, dtype=torch.int64, device=logits.device)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    shared = logits if shared_logit is None else shared_logit
     if ranked and 0 < T * width <= RANK_PAIRS:
-        return weights, experts, _route_and_align(logits, shared_logit, weights, experts, top_k, renormalize)
+        return weights, experts, _route_and_align(logits, shared, shared_logit is not None, weights, experts, top_k,
+                                                  renormalize)
     wanted, ranked = ranked is not None, bool(ranked) and 0 < T * width <= ALIGN_CHUNK  # more: sorting path
     ranks = torch.empty(T, width, dtype=torch.int32, device=logits.device) if ranked else None
     if T:
-        if logits.stride(1) != 1:
-            logits = logits.contiguous()
-        shared = logits if shared_logit is None else shared_logit
         counts = routing_counters(logits.device, triton.next_power_of_2(E + 1)) if ranked else experts
         # the router's columns of the fused MoE projection are read in place (row stride of the fused output)
         _route_kernel[(T,)](logits, shared, weights, experts, counts, ranks if ranked else experts, E,
@@ -465,24 +466,18 @@ def route_logits_triton(logits, top_k, renormalize, shared_logit=None, ranked=No
     return (weights, experts, ranks) if wanted else (weights, experts)
 
 
-def _route_and_align(logits, shared_logit, weights, experts, top_k, renormalize) -> Aligned:
+def _route_and_align(logits, shared, with_shared, weights, experts, top_k, renormalize) -> Aligned:
     """`_route_align_kernel` into `weights` and `experts`; the layout for the block rows `fused_experts` takes
     at this many pairs over these experts (the shared expert, when routed, as expert E)."""
     T, E = logits.shape
-    n_experts = E + (shared_logit is not None)
+    n_experts = E + with_shared
     n = experts.numel()
     block_m = _configs(n, n_experts)[0]
-    p_max = padded_size(n, n_experts, block_m)
-    out = Aligned(torch.empty(p_max, dtype=torch.int32, device=logits.device),
-                  torch.empty(p_max // block_m, dtype=torch.int32, device=logits.device),
-                  torch.empty(1, dtype=torch.int32, device=logits.device), block_m)
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    shared = logits if shared_logit is None else shared_logit
+    out = Aligned(*_align_buffers(n, n_experts, block_m, logits.device), block_m)
     _route_align_kernel[(1,)](
         logits, shared, weights, experts, out.sorted_ids, out.block_expert, out.total, T, E, logits.stride(0),
         shared.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(weights.shape[1]), E_P2=triton.next_power_of_2(E),
-        RENORM=renormalize, SHARED=shared_logit is not None, EX_P2=triton.next_power_of_2(n_experts),
+        RENORM=renormalize, SHARED=with_shared, EX_P2=triton.next_power_of_2(n_experts),
         N_P2=max(16, triton.next_power_of_2(n)), BLOCK_M=block_m, B_CHUNK=16, num_warps=4)
     return out
 
@@ -491,6 +486,14 @@ def padded_size(n_pairs: int, num_experts: int, block_m: int) -> int:
     """Worst-case padded pair count (a multiple of block_m): every non-empty expert wastes up to block_m - 1."""
     worst = n_pairs + min(num_experts, n_pairs) * (block_m - 1)
     return -(-worst // block_m) * block_m
+
+
+def _align_buffers(n_pairs: int, num_experts: int, block_m: int, device):
+    """Uninitialised (sorted_ids, block_expert, total) for an align of `n_pairs` pairs (see `moe_align`)."""
+    p_max = padded_size(n_pairs, num_experts, block_m)
+    return (torch.empty(p_max, dtype=torch.int32, device=device),
+            torch.empty(p_max // block_m, dtype=torch.int32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device))
 
 
 def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool = True, *, out=None,
@@ -507,9 +510,7 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel:
     p_max = padded_size(n, num_experts, block_m)
     if use_kernel:
         if out is None:
-            sorted_ids = torch.empty(p_max, dtype=torch.int32, device=flat.device)
-            block_expert = torch.empty(p_max // block_m, dtype=torch.int32, device=flat.device)
-            total = torch.empty(1, dtype=torch.int32, device=flat.device)
+            sorted_ids, block_expert, total = _align_buffers(n, num_experts, block_m, flat.device)
         else:
             sorted_ids, block_expert, total = out
             assert sorted_ids.shape == (p_max,) and block_expert.shape == (p_max // block_m,)

@@ -16,7 +16,7 @@ the activations fewer for each FP8 GEMM input. The references ignore it (their c
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.fp8 import FP8_DTYPE, attach_activation_groups
+from tandem.ops.fp8 import attach_activation_groups, group_buffers
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
 if HAS_TRITON:
@@ -130,28 +130,22 @@ def _rows(x):
     return x2, torch.empty_like(x2), triton.next_power_of_2(x.shape[-1])
 
 
-def _groups_for(out, group, block):
-    """(q, s, G) for a kernel that writes whole rows of `out` [R, n] (n == block) as groups of `group` too, or
-    (out, out, 0) when it cannot: no group asked for, or rows that are not a whole number of groups."""
+def _row_groups(out, group, block) -> int:
+    """`group`, when a kernel writing whole rows of `out` [R, n] (n == block) can write them as e4m3 groups of
+    `group` too, else 0."""
     n = out.shape[1]
-    if not group or n != block or n % group or group & (group - 1):
-        return out, out, 0
-    return (torch.empty(out.shape, dtype=FP8_DTYPE, device=out.device),
-            torch.empty(out.shape[0], n // group, dtype=torch.float32, device=out.device), group)
+    return group if group and n == block and n % group == 0 and not group & (group - 1) else 0
 
 
 def _with_groups(out, q, s, group, shape):
-    """`out` viewed as `shape`, with the groups its kernel wrote (if it wrote them) hung on that view."""
-    y = out.view(shape)
-    if not group or shape[-1] % group:  # none written, or rows that are not whole groups: no reader's input
-        return y
-    rows = q.numel() // shape[-1]  # of y as [rows, K], the shape its readers quantise it in
-    return attach_activation_groups(y, q.view(rows, -1), s.view(rows, -1), group)
+    """`out` viewed as `shape`, with the groups its kernel wrote (group > 0) hung on that view."""
+    return attach_activation_groups(out.view(shape), q, s, group) if group else out.view(shape)
 
 
 def rms_norm_1p_triton(x, weight, eps, group=None):
     x2, out, block = _rows(x)
-    q, s, g = _groups_for(out, group, block)
+    g = _row_groups(out, group, block)
+    q, s = group_buffers(out, g) if g else (out, out)
     _rms_norm_1p_kernel[(x2.shape[0],)](x2, weight, out, q, s, x2.shape[1], eps, BLOCK=block, G=g)
     return _with_groups(out, q, s, g, x.shape)
 
@@ -171,8 +165,7 @@ def gated_rms_norm_triton(x, z, weight, eps, group=None):
     rows = max(1, min(32, 4096 // block))  # several rows a program: a row of a GDN head is only 128 values
     g = group if group and n == block and not group & (group - 1) and (rows * n) % group == 0 \
         and (z3.shape[1] * n) % group == 0 else 0  # whole groups a program, none across two tokens
-    q, s = (torch.empty(out.shape, dtype=FP8_DTYPE, device=out.device),
-            torch.empty(out.numel() // g, dtype=torch.float32, device=out.device)) if g else (out, out)
+    q, s = group_buffers(out, g) if g else (out, out)
     _gated_rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
         x2, z3, weight, out, q, s, x2.shape[0], x2.shape[1], z3.shape[1], z3.stride(0), z3.stride(1), eps,
         BLOCK=block, ROWS=rows, G=g)
@@ -183,7 +176,8 @@ def add_rms_norm_1p_triton(h, delta, weight, eps, group=None):
     h2, out, block = _rows(h)
     total = torch.empty_like(h2)
     parts = 1 if delta.dim() == h.dim() else delta.shape[-2]
-    q, s, g = _groups_for(out, group, block)
+    g = _row_groups(out, group, block)
+    q, s = group_buffers(out, g) if g else (out, out)
     _add_rms_norm_1p_kernel[(h2.shape[0],)](h2, delta.contiguous(), weight, total, out, q, s, h2.shape[1], eps,
                                             BLOCK=block, PARTS=parts, G=g)
     return total.view(h.shape), _with_groups(out, q, s, g, h.shape)

@@ -19,7 +19,7 @@ same values up to fp32 summation order.
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.fp8 import FP8_DTYPE, attach_activation_groups
+from tandem.ops.fp8 import attach_activation_groups, group_buffers
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
 if HAS_TRITON:
@@ -144,15 +144,10 @@ def _row_major(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _column_groups(out, block, group):
-    """(q, s, G) for a kernel whose programs each write BLOCK columns of a row of `out` [R, n], when each
-    program's columns are whole e4m3 groups of `group` (it then writes those too), else (out, out, 0)."""
-    R, n = out.shape
-    g = group if group and n % block == 0 and block % group == 0 else 0
-    if not g:
-        return out, out, 0
-    return (torch.empty(R, n, dtype=FP8_DTYPE, device=out.device),
-            torch.empty(R, n // g, dtype=torch.float32, device=out.device), g)
+def _column_groups(n: int, block: int, group) -> int:
+    """`group`, when a kernel whose programs each write BLOCK columns of rows of n values can write them as whole
+    e4m3 groups of `group` too, else 0."""
+    return group if group and n % block == 0 and block % group == 0 else 0
 
 
 def silu_mul_triton(gate, up, block=1024, group=None):
@@ -160,7 +155,8 @@ def silu_mul_triton(gate, up, block=1024, group=None):
     gate, up = _row_major(gate.reshape(-1, n)), _row_major(up.reshape(-1, n))
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = min(block, triton.next_power_of_2(n))
-    q, s, g = _column_groups(out, block, group)
+    g = _column_groups(n, block, group)
+    q, s = group_buffers(out, g) if g else (out, out)
     if gate.shape[0]:
         _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, out, q, s, n, gate.stride(0),
                                                                  up.stride(0), BLOCK=block, G=g)
@@ -173,7 +169,8 @@ def sigmoid_gate_triton(x, gate, block=1024, group=None):
     assert x.is_contiguous() and gate.stride(2) == 1 and gate.shape[1] * gate.shape[2] == n
     out = torch.empty_like(x)
     block = min(block, triton.next_power_of_2(n))
-    q, s, g = _column_groups(out, block, group)
+    g = _column_groups(n, block, group)
+    q, s = group_buffers(out, g) if g else (out, out)
     if T:
         _sigmoid_gate_kernel[(T, triton.cdiv(n, block))](x, gate, out, q, s, n, gate.stride(0), gate.stride(1),
                                                          HD=gate.shape[2], BLOCK=block, G=g)
