@@ -21,7 +21,7 @@ import torch
 
 from tandem.client import TandemClient
 from tandem.parallel import check_divisible
-from tandem.worker_setup import model_config
+from tandem.worker_setup import StopSignal, model_config
 
 START_TIMEOUT = 300.0
 
@@ -119,9 +119,7 @@ def serve(args) -> int:
         return 2
     gpus = torch.cuda.device_count()
     children: list[Child] = []
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
+    stopping = StopSignal()
     try:
         deadline = time.monotonic() + START_TIMEOUT
         workers = {"prefill": [], "decode": []}

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
 
 import torch
@@ -136,13 +135,32 @@ def announce(role: str, **addresses) -> None:
     print(f"TANDEM {role} " + " ".join(f"{k}={v}" for k, v in addresses.items() if v), flush=True)
 
 
+class StopSignal:
+    """Notes SIGTERM/SIGINT. The handler only sets a flag: a `threading.Event.set()` there deadlocks when the
+    signal lands while the main thread holds that Event's lock inside its own `wait` (a launcher that polled an
+    Event and so never passed a SIGTERM on)."""
+
+    def __init__(self):
+        self.received = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._receive)
+
+    def _receive(self, *_) -> None:
+        self.received = True
+
+    def wait(self, timeout: float) -> bool:
+        """Whether a signal came, after sleeping at most `timeout` for one (a signal cuts the sleep short)."""
+        if not self.received:
+            time.sleep(timeout)
+        return self.received
+
+
 def serve_until_signalled(server, service, drain_timeout: float) -> None:
     """Blocks until SIGTERM/SIGINT; then drains: readiness off and `service.draining` set (new work is refused
     with UNAVAILABLE), waits while `service.busy()` for at most `drain_timeout`, stops the server and the service."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    stop = StopSignal()
+    while not stop.wait(0.5):
+        pass
     log.info("draining (at most %.0f s)", drain_timeout)
     service.draining = True
     server.set_serving(False)

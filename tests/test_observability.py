@@ -106,8 +106,7 @@ def test_sigterm_drains_without_failing_in_flight_requests():
         for _ in threads:
             assert first_tokens.acquire(timeout=60)
         c.proc.send_signal(signal.SIGTERM)
-        # inside the 60 s drain: on a 2-core machine serving 8 streams, the launcher -> router signal and each
-        # health probe can take seconds (10 s was once exceeded by 0.04 s, and 30 s once in a full suite run)
+        # inside the 60 s drain (it takes milliseconds; the generous bound is for a loaded 2-core machine)
         deadline = time.monotonic() + 50
         while _ready(c.address, "tandem.v1.Tandem") == health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < deadline, "readiness did not turn off"
