@@ -51,3 +51,11 @@ def hf_checkpoints(tmp_path_factory):
         model.save_pretrained(d)
         out[kind] = (model, str(d))
     return out
+
+
+@pytest.fixture(scope="session")
+def sm90_triton_cache(tmp_path_factory):
+    """One Triton cache for every sm_90 compile check (tests/kernels_sm90.py): the checks share most variants.
+    The no-compile check stays valid with it warm: Triton's post-compile hook fires on each variant a process
+    first launches, read from this cache or not."""
+    return tmp_path_factory.mktemp("sm90-triton-cache")

@@ -12,22 +12,17 @@ import pytest
 SCRIPT = Path(__file__).with_name("kernels_sm90.py")
 
 
-def run_check(tmp_path, *args, code=None):
+def run_check(cache_dir, *args, code=None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
     cmd = [sys.executable, str(SCRIPT), *args] if code is None else [sys.executable, "-c", code, *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=SCRIPT.parent)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("sm90")  # one Triton cache: the presets share most variants
-
-
 @pytest.mark.parametrize("preset,dtype", [("qwen3.5-35b-a3b", "bfloat16"), ("qwen3.5-35b-a3b-fp8", "bfloat16"),
                                           ("qwen3.5-35b-a3b", "float32")])
-def test_real_shapes_fit_the_h200(cache, preset, dtype):
-    res = run_check(cache, "--preset", preset, "--dtype", dtype)
+def test_real_shapes_fit_the_h200(sm90_triton_cache, preset, dtype):
+    res = run_check(sm90_triton_cache, "--preset", preset, "--dtype", dtype)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     names = {line.split()[0] for line in res.stdout.splitlines() if " shared " in line}
     # the forward reached every kernel family of a Qwen3.5 MoE layer and the MTP head
@@ -39,12 +34,12 @@ def test_real_shapes_fit_the_h200(cache, preset, dtype):
     assert expected <= names, sorted(expected - names)
 
 
-def test_the_check_catches_tiles_too_large_for_the_h200(cache):
+def test_the_check_catches_tiles_too_large_for_the_h200(sm90_triton_cache):
     """fp32 prefill attention with the 16-bit tiles (128 x 64 at head_dim 256) needs 295 KB: the check must fail."""
     code = ("import sys; sys.argv[0] = 'kernels_sm90.py'; import kernels_sm90 as k; from tandem.ops import attention; "
             "attention.FP32_PREFILL_M, attention.FP32_PREFILL_BLOCK_N = attention.PREFILL_M, "
             "attention.PREFILL_BLOCK_N; sys.exit(k.main())")
-    res = run_check(cache, "--dtype", "float32", "--shapes", "prefill:300", code=code)
+    res = run_check(sm90_triton_cache, "--dtype", "float32", "--shapes", "prefill:300", code=code)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     over = [line for line in res.stdout.splitlines() if "OVER" in line]
     assert over and all(line.startswith("_paged_attn_kernel") for line in over), res.stdout

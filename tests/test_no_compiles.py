@@ -65,9 +65,9 @@ def test_no_kernel_compiles_after_warm_up(name):
     ("qwen3.5-35b-a3b", 0, False, 2), ("qwen3.5-35b-a3b", 6, False, 2), ("qwen3.5-35b-a3b", 0, True, 2),
     ("qwen3.5-35b-a3b", 0, False, 0), ("qwen3.5-35b-a3b-fp8", 0, False, 2), ("tiny-moe", 0, False, 2),
     ("tiny-dense", 0, False, 2)])
-def test_no_kernel_compiles_after_warm_up_for_sm90(name, seed, prefill_only, k, tmp_path):
+def test_no_kernel_compiles_after_warm_up_for_sm90(name, seed, prefill_only, k, sm90_triton_cache):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_CACHE_DIR"] = str(sm90_triton_cache)
     script = Path(__file__).with_name("kernels_sm90.py")
     res = subprocess.run([sys.executable, str(script), "--workload", "--preset", name, "--seed", str(seed),
                           "--k", str(k)] + (["--prefill-only"] if prefill_only else []),
