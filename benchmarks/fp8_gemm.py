@@ -6,12 +6,13 @@ bf16 GEMM of the same shape; with the error of each variant against the fp64 ora
 
 Variants: the dispatch's choice (`w8a8_linear`, `fused_experts`; from 257 rows torch's block-scaled matmul when
 this torch has it, and then the Triton kernel's time beside it) and, with --sweep, other tiles and K splits
-for the dense GEMMs at decode sizes, prefill tiles with `group_dot`'s DOT 0 (e4m3 with Hopper's fast
-accumulation inside each 128-wide group, as DeepSeek's and vLLM's block-FP8 GEMMs) and 1 (the default: promoted
-to fp32 every K = 32) at prefill sizes (the prefill GEMMs are compute-bound: there the bf16 column is the bar,
-not the floor), and for the experts DOT 0 and 2 (bf16 upcast) against the default 1. Floor = bytes the call
-must move (e4m3 weight and scales, activations in and out) at --bandwidth-gbs. The experts are the 35B-A3B's with
-its shared expert hosted as expert E (`Experts.host`), each token routed to it too, as at decode sizes.
+for the dense GEMMs at decode sizes (with torch's block-scaled matmul beside them, when this torch has it),
+prefill tiles with `group_dot`'s DOT 0 (e4m3 with Hopper's fast accumulation inside each 128-wide group, as
+DeepSeek's and vLLM's block-FP8 GEMMs) and 1 (the default: promoted to fp32 every K = 32) at prefill sizes (the
+prefill GEMMs are compute-bound: there the bf16 column is the bar, not the floor), and for the experts DOT 0
+and 2 (bf16 upcast) against the default 1. Floor = bytes the call must move (e4m3 weight and scales, activations
+in and out) at --bandwidth-gbs. The experts are the 35B-A3B's with its shared expert hosted as expert E
+(`Experts.host`), each token routed to it too, as at decode sizes.
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ def dense(rows, sweep, bw):
                                                                                     tiles=tiles, dot=dot)
                         e = oracle_err(f(0), x, q, s)
                         results.append((graph_time_us([lambda i=i: f(i) for i in range(r)]), tiles, dot, e))
+                layout = fp8.cublas_layout(x.device)
+                if m <= 32 and layout is not None:  # torch's block-scaled matmul at decode rows too
+                    f = lambda i: fp8.w8a8_linear_cublas(x, qs[i], ss[i], layout)
+                    results.append((graph_time_us([lambda i=i: f(i) for i in range(r)]), "cuBLAS", "-",
+                                    oracle_err(f(0), x, q, s)))
                 results.sort(key=lambda z: z[0])
                 best = "  ".join(f"{u:.1f}us {t} dot{d} err {e:.1e}" for u, t, d, e in results[:3])
             if m >= fp8.CUBLAS_MIN_ROWS and fp8.cublas_layout(x.device) is not None:  # the dispatch took torch's
@@ -121,7 +127,7 @@ def sweep_tiles(m, n):
     if m > 256:  # prefill: (BLOCK_M, BLOCK_N, no split, warps, stages)
         return [(128, 128, 1, 8, 3), (64, 128, 1, 4, 3), (128, 64, 1, 4, 4), (64, 64, 1, 4, 4), (128, 256, 1, 8, 3)]
     bms = [16] if m <= 16 else [32, 64]
-    return [(bm, bn, split, 4, 4) for bm in bms for bn in (32, 64) for split in (1, 2, 4, 8)]
+    return [(bm, bn, split, 4, 4) for bm in bms for bn in (32, 64, 128) for split in (1, 2, 4, 8)]
 
 
 def experts(tokens, sweep, bw):
