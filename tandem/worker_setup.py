@@ -149,7 +149,8 @@ class StopSignal:
         self.received = True
 
     def wait(self, timeout: float) -> bool:
-        """Whether a signal came, after sleeping at most `timeout` for one (a signal cuts the sleep short)."""
+        """Whether a signal came, after sleeping `timeout` unless one had (a signal does not cut a sleep short:
+        Python resumes it after the handler), so the poll interval bounds how late a signal is acted on."""
         if not self.received:
             time.sleep(timeout)
         return self.received
@@ -159,7 +160,7 @@ def serve_until_signalled(server, service, drain_timeout: float) -> None:
     """Blocks until SIGTERM/SIGINT; then drains: readiness off and `service.draining` set (new work is refused
     with UNAVAILABLE), waits while `service.busy()` for at most `drain_timeout`, stops the server and the service."""
     stop = StopSignal()
-    while not stop.wait(0.5):
+    while not stop.wait(0.2):
         pass
     log.info("draining (at most %.0f s)", drain_timeout)
     service.draining = True
