@@ -224,16 +224,20 @@ _GROUPS_ATTR = "_fp8_activation_groups"
 
 def group_buffers(out: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised buffers for a kernel that also writes `out`'s e4m3 groups of `group` consecutive values:
-    the values in out's layout, and one fp32 scale per group in memory order."""
+    the values in out's layout, and one fp32 scale per group in memory order. group 0 (the kernel writes no
+    groups): `out` twice, pointers the kernel never stores through."""
+    if not group:
+        return out, out
     return (torch.empty(out.shape, dtype=FP8_DTYPE, device=out.device),
             torch.empty(out.numel() // group, dtype=torch.float32, device=out.device))
 
 
 def attach_activation_groups(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
     """x [..., K] (contiguous) with its groups as `group_buffers` holds them, once written, hung on it as its
-    readers take them (rows of K); returns x. Rows that are not whole groups can feed no GEMM: nothing hung."""
+    readers take them (rows of K); returns x. Nothing is hung for group 0 (no groups written) or for rows that
+    are not whole groups (they can feed no GEMM)."""
     K = x.shape[-1]
-    if K % group == 0:
+    if group and K % group == 0:
         setattr(x, _GROUPS_ATTR, (group, q.view(-1, K), s.view(-1, K // group)))
     return x
 

@@ -137,17 +137,12 @@ def _row_groups(out, group, block) -> int:
     return group if group and n == block and n % group == 0 and not group & (group - 1) else 0
 
 
-def _with_groups(out, q, s, group, shape):
-    """`out` viewed as `shape`, with the groups its kernel wrote (group > 0) hung on that view."""
-    return attach_activation_groups(out.view(shape), q, s, group) if group else out.view(shape)
-
-
 def rms_norm_1p_triton(x, weight, eps, group=None):
     x2, out, block = _rows(x)
     g = _row_groups(out, group, block)
-    q, s = group_buffers(out, g) if g else (out, out)
+    q, s = group_buffers(out, g)
     _rms_norm_1p_kernel[(x2.shape[0],)](x2, weight, out, q, s, x2.shape[1], eps, BLOCK=block, G=g)
-    return _with_groups(out, q, s, g, x.shape)
+    return attach_activation_groups(out.view(x.shape), q, s, g)
 
 
 def gated_rms_norm_triton(x, z, weight, eps, group=None):
@@ -165,11 +160,11 @@ def gated_rms_norm_triton(x, z, weight, eps, group=None):
     rows = max(1, min(32, 4096 // block))  # several rows a program: a row of a GDN head is only 128 values
     g = group if group and n == block and not group & (group - 1) and (rows * n) % group == 0 \
         and (z3.shape[1] * n) % group == 0 else 0  # whole groups a program, none across two tokens
-    q, s = group_buffers(out, g) if g else (out, out)
+    q, s = group_buffers(out, g)
     _gated_rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
         x2, z3, weight, out, q, s, x2.shape[0], x2.shape[1], z3.shape[1], z3.stride(0), z3.stride(1), eps,
         BLOCK=block, ROWS=rows, G=g)
-    return _with_groups(out, q, s, g, x.shape)
+    return attach_activation_groups(out.view(x.shape), q, s, g)
 
 
 def add_rms_norm_1p_triton(h, delta, weight, eps, group=None):
@@ -177,7 +172,7 @@ def add_rms_norm_1p_triton(h, delta, weight, eps, group=None):
     total = torch.empty_like(h2)
     parts = 1 if delta.dim() == h.dim() else delta.shape[-2]
     g = _row_groups(out, group, block)
-    q, s = group_buffers(out, g) if g else (out, out)
+    q, s = group_buffers(out, g)
     _add_rms_norm_1p_kernel[(h2.shape[0],)](h2, delta.contiguous(), weight, total, out, q, s, h2.shape[1], eps,
                                             BLOCK=block, PARTS=parts, G=g)
-    return total.view(h.shape), _with_groups(out, q, s, g, h.shape)
+    return total.view(h.shape), attach_activation_groups(out.view(h.shape), q, s, g)

@@ -2,15 +2,15 @@
 not by their bytes): a torch reference and a Triton kernel for each, behind one dispatch.
 
 - `silu_mul(gate, up)`: the SwiGLU activation `silu(gate) * up`.
-
-The SwiGLU and the output gate take `group` as the norms do (`tandem.ops.norm`): they then also write their
-output's e4m3 groups for the FP8 GEMM that reads it.
 - `sigmoid_gate(x, gate)`: gated attention's output gate `x * sigmoid(gate)`, gate [T, heads, head_dim] read
   where the fused q | gate projection left it (no copy).
 - `gdn_gates(a, b, A_log, dt_bias)`: Gated DeltaNet's per-head gates, `beta = sigmoid(b)` and the fp32 log-decay
   `g = -exp(A_log) * softplus(a + dt_bias)`.
 - `gated_sum(parts, shared, logit)`: the MoE block's output `sum_k parts[:, k] + sigmoid(logit) * shared`, the
   routed experts' per-slot outputs added in slot order (deterministic) plus the sigmoid-gated shared expert.
+
+The SwiGLU and the output gate take `group` as the norms do (`tandem.ops.norm`): they then also write their
+output's e4m3 groups for the FP8 GEMM that reads it.
 
 The kernels round where the references round (to the model dtype after each torch op), so both paths give the
 same values up to fp32 summation order.
@@ -156,12 +156,11 @@ def silu_mul_triton(gate, up, block=1024, group=None):
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = min(block, triton.next_power_of_2(n))
     g = _column_groups(n, block, group)
-    q, s = group_buffers(out, g) if g else (out, out)
+    q, s = group_buffers(out, g)
     if gate.shape[0]:
         _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, out, q, s, n, gate.stride(0),
                                                                  up.stride(0), BLOCK=block, G=g)
-    y = out.view(shape)
-    return attach_activation_groups(y, q, s, g) if g else y
+    return attach_activation_groups(out.view(shape), q, s, g)
 
 
 def sigmoid_gate_triton(x, gate, block=1024, group=None):
@@ -170,11 +169,11 @@ def sigmoid_gate_triton(x, gate, block=1024, group=None):
     out = torch.empty_like(x)
     block = min(block, triton.next_power_of_2(n))
     g = _column_groups(n, block, group)
-    q, s = group_buffers(out, g) if g else (out, out)
+    q, s = group_buffers(out, g)
     if T:
         _sigmoid_gate_kernel[(T, triton.cdiv(n, block))](x, gate, out, q, s, n, gate.stride(0), gate.stride(1),
                                                          HD=gate.shape[2], BLOCK=block, G=g)
-    return attach_activation_groups(out, q, s, g) if g else out
+    return attach_activation_groups(out, q, s, g)
 
 
 def gdn_gates_triton(a, b, a_log, dt_bias):
