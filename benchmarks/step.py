@@ -189,13 +189,10 @@ def new_engine(cfg, model, args, ecfg: EngineConfig) -> Engine:
 
 
 def release(eng: Engine, args) -> None:
-    """The tensor-parallel ranks of `new_engine` stopped and their memory given back (nothing on one rank)."""
+    """Stops the tensor-parallel ranks `new_engine` launched (nothing on one rank). Rank 0's engine goes with the
+    caller's last reference; its blocks stay in this process's caching allocator for the next run's engine."""
     if args.tensor_parallel_size > 1:
         eng.runner.model.shutdown()
-        del eng
-        gc.collect()
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
 
 
 def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]) -> dict:
