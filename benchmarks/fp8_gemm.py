@@ -10,7 +10,7 @@ for the dense GEMMs at decode sizes (with torch's block-scaled matmul beside the
 prefill tiles with `group_dot`'s DOT 0 (e4m3 with Hopper's fast accumulation inside each 128-wide group, as
 DeepSeek's and vLLM's block-FP8 GEMMs) and 1 (the default: promoted to fp32 every K = 32) at prefill sizes (the
 prefill GEMMs are compute-bound: there the bf16 column is the bar, not the floor), and for the experts DOT 0
-and 2 (bf16 upcast) against the default 1. Floor = bytes the call must move (e4m3 weight and scales, activations
+and 2 (bf16 upcast) against the default 1, and at prefill sizes their tiles. Floor = bytes the call must move (e4m3 weight and scales, activations
 in and out) at --bandwidth-gbs. The experts are the 35B-A3B's with its shared expert hosted as expert E
 (`Experts.host`), each token routed to it too, as at decode sizes.
 """
@@ -153,13 +153,35 @@ def experts(tokens, sweep, bw):
         touched = moe_touched(t) + 1  # the shared expert
         floor = touched * 3 * I * H * (1 + 4 / 128**2) / (bw * 1e9) * 1e6
         tf, tb = graph_time_us(fns), graph_time_us(fns_b)
+        time_fp8 = lambda **tiling: graph_time_us(
+            [lambda w=w, e=e: moe.fused_experts_triton(x, qgu, qd, w, e, **tiling, **kw) for w, e in routes])
         if sweep:
             for dot in (0, 2):  # the default is 1
-                variants[f"dot{dot}"] = graph_time_us(
-                    [lambda w=w, e=e, d=dot: moe.fused_experts_triton(x, qgu, qd, w, e, dot=d, **kw)
-                     for w, e in routes])
+                variants[f"dot{dot}"] = time_fp8(dot=dot)
         v = "  ".join(f"{k} {u:.1f}" for k, u in variants.items())
-        print(f"{t:>5} {tf:>8.1f} {floor:>7.1f} {tf / floor:>6.1f} {tb:>8.1f}  {v}")
+        tflops = 2 * t * (TOP_K + 1) * 3 * I * H / (tf * 1e-6) / 1e12
+        print(f"{t:>5} {tf:>8.1f} {floor:>7.1f} {tf / floor:>6.1f} {tb:>8.1f}  {v}  ({tflops:.0f} TFLOP/s)")
+        if sweep and t * TOP_K > 16 * E:  # prefill sizes: the expert GEMMs' tiles
+            sweep_expert_tiles(time_fp8)
+
+
+def sweep_expert_tiles(time_fp8):
+    """Prefill tiles of the experts: BLOCK_M with each gate/up tile (the default down tile), then each down
+    tile with the best of those; tiles are (BLOCK_N, BLOCK_K = the activation group, warps, stages)."""
+    tiles = [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3)]
+
+    def timed(**tiling):  # a tile that does not fit (shared memory) counts as never
+        try:
+            return time_fp8(**tiling)
+        except Exception as e:  # noqa: BLE001 - Triton's out-of-resources error has no public class
+            print(f"    {tiling}: {type(e).__name__}")
+            return float("inf")
+
+    gate_up = sorted((timed(block_m=bm, gate_up_cfg=c), bm, c) for bm in (64, 128) for c in tiles)
+    print("    gate/up tiles (BLOCK_M, tile): " + "  ".join(f"{u:.1f}us {bm} {c}" for u, bm, c in gate_up[:4]))
+    _, bm, best = gate_up[0]
+    down = sorted((timed(block_m=bm, gate_up_cfg=best, down_cfg=c), c) for c in tiles)
+    print(f"    down tiles (BLOCK_M {bm}, gate/up {best}): " + "  ".join(f"{u:.1f}us {c}" for u, c in down[:4]))
 
 
 def moe_touched(tokens):
