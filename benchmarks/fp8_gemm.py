@@ -5,19 +5,21 @@ bf16 GEMM of the same shape; with the error of each variant against the fp64 ora
     python3 benchmarks/fp8_gemm.py [--rows 1,32,96,2048] [--sweep]
 
 Variants: the dispatch's choice (`w8a8_linear`, `fused_experts`; from 257 rows torch's block-scaled matmul when
-this torch has it, and then the Triton kernel's time beside it) and, with --sweep, other tiles and K splits
-for the dense GEMMs at decode sizes (with torch's block-scaled matmul beside them, when this torch has it),
+this torch has it, and then the Triton kernel's time beside it) and, with --sweep: for the dense GEMMs, other
+tiles and K splits at decode sizes (with torch's block-scaled matmul beside them, when this torch has it), and
 prefill tiles with `group_dot`'s DOT 0 (e4m3 with Hopper's fast accumulation inside each 128-wide group, as
-DeepSeek's and vLLM's block-FP8 GEMMs) and 1 (the default: promoted to fp32 every K = 32) at prefill sizes (the
-prefill GEMMs are compute-bound: there the bf16 column is the bar, not the floor), and for the experts DOT 0
-and 2 (bf16 upcast) against the default 1, and at prefill sizes their tiles. Floor = bytes the call must move (e4m3 weight and scales, activations
-in and out) at --bandwidth-gbs. The experts are the 35B-A3B's with its shared expert hosted as expert E
-(`Experts.host`), each token routed to it too, as at decode sizes.
+DeepSeek's and vLLM's block-FP8 GEMMs; the dispatch's at prefill sizes) and 1 (promoted to fp32 every K = 32;
+the dispatch's at decode sizes); for the experts DOT 0, 1 and 2 (bf16 upcast), and their tiles at decode and
+prefill sizes. The prefill GEMMs are compute-bound: there the bf16 column is the bar, not the floor. Floor = bytes
+the call must move (e4m3 weight and scales, activations in and out) at --bandwidth-gbs. The experts are the
+35B-A3B's with its shared expert hosted as expert E (`Experts.host`), each token routed to it too, as at decode
+sizes.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -156,19 +158,22 @@ def experts(tokens, sweep, bw):
         time_fp8 = lambda **tiling: graph_time_us(
             [lambda w=w, e=e: moe.fused_experts_triton(x, qgu, qd, w, e, **tiling, **kw) for w, e in routes])
         if sweep:
-            for dot in (0, 2):  # the default is 1
+            for dot in (0, 1, 2):  # the dispatch's is 1 at decode sizes, 0 at prefill sizes
                 variants[f"dot{dot}"] = time_fp8(dot=dot)
         v = "  ".join(f"{k} {u:.1f}" for k, u in variants.items())
         tflops = 2 * t * (TOP_K + 1) * 3 * I * H / (tf * 1e-6) / 1e12
         print(f"{t:>5} {tf:>8.1f} {floor:>7.1f} {tf / floor:>6.1f} {tb:>8.1f}  {v}  ({tflops:.0f} TFLOP/s)")
         if sweep and t * TOP_K > 16 * E:  # prefill sizes: the expert GEMMs' tiles
-            sweep_expert_tiles(time_fp8)
+            sweep_expert_tiles(time_fp8, (64, 128), [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3),
+                                                     (128, 128, 8, 4), (256, 128, 8, 3)])
+        elif sweep and t * TOP_K <= 4 * E:  # decode sizes: weight-streaming, narrow tiles spread over the SMs
+            sweep_expert_tiles(time_fp8, (16,), [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4),
+                                                 (32, 128, 2, 4), (32, 128, 4, 6), (128, 128, 4, 4)])
 
 
-def sweep_expert_tiles(time_fp8):
-    """Prefill tiles of the experts: BLOCK_M with each gate/up tile (the default down tile), then each down
-    tile with the best of those; tiles are (BLOCK_N, BLOCK_K = the activation group, warps, stages)."""
-    tiles = [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3)]
+def sweep_expert_tiles(time_fp8, block_ms, tiles):
+    """The experts' tiles: each BLOCK_M with each gate/up tile (the default down tile), then each down tile with
+    the best of those; tiles are (BLOCK_N, BLOCK_K = the activation group, warps, stages)."""
 
     def timed(**tiling):  # a tile that does not fit (shared memory) counts as never
         try:
@@ -177,7 +182,7 @@ def sweep_expert_tiles(time_fp8):
             print(f"    {tiling}: {type(e).__name__}")
             return float("inf")
 
-    gate_up = sorted((timed(block_m=bm, gate_up_cfg=c), bm, c) for bm in (64, 128) for c in tiles)
+    gate_up = sorted((timed(block_m=bm, gate_up_cfg=c), bm, c) for bm in block_ms for c in tiles)
     print("    gate/up tiles (BLOCK_M, tile): " + "  ".join(f"{u:.1f}us {bm} {c}" for u, bm, c in gate_up[:4]))
     _, bm, best = gate_up[0]
     down = sorted((timed(block_m=bm, gate_up_cfg=best, down_cfg=c), c) for c in tiles)
@@ -196,6 +201,8 @@ def main():
     ap.add_argument("--bandwidth-gbs", type=float, default=4250.0)
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    logging.basicConfig(format="%(message)s")  # the cuBLAS probe says which path prefill GEMMs take, and why
+    logging.getLogger(fp8.__name__).setLevel(logging.INFO)
     dense([int(m) for m in a.rows.split(",")], a.sweep, a.bandwidth_gbs)
     experts([int(t) for t in a.tokens.split(",")], a.sweep, a.bandwidth_gbs)
 

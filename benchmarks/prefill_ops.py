@@ -181,7 +181,7 @@ def experts_rows(rep: Report, sweep: bool):
                 extra=f"host {host_us(fn):.0f} us a call")
         rep.row(f"experts T={T} graph", graph_us(fn), nbytes, flops)
         if sweep and T <= 96:  # decode sizes: one config changed at a time from the dispatch's (N tiles, warps)
-            bm, gu0, dn0 = moe._configs(T * TOP_K, E)
+            bm, gu0, dn0, _ = moe._configs(T * TOP_K, E)
             for gu, dn in [(gu, dn0) for gu in ((16, 128, 4, 4), (64, 128, 4, 4), (32, 128, 2, 4), (16, 128, 2, 5))] + \
                           [(gu0, dn) for dn in ((32, 128, 4, 4), (128, 128, 4, 4), (64, 128, 2, 4))]:
                 us = graph_us(lambda: moe.fused_experts_triton(x, gate_up, down, weights, experts, block_m=bm,
