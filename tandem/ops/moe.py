@@ -36,7 +36,8 @@ CUDA graph:
 FP8 experts (e4m3 weights with 128 x 128 block scales) run the same two kernels with e4m3 dots: x is quantised per
 token and 128-channel group before step 3 (by the norm that produced it, when it did: `activation_groups`), and
 `inter` per pair row (up to `total`, read on the device) before step 4, by one launch of `tandem/ops/fp8.py`'s
-group quantiser; each K step is one group, rescaled once.
+group quantiser; each K step is one group, rescaled once (at prefill sizes with Hopper's fast accumulation inside
+the group: `fp8.dot_mode`).
 """
 
 from typing import NamedTuple
