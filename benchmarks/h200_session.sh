@@ -71,7 +71,7 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
         timeout 400 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
             --metrics-url "$metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$name.json" \
             "${bench[@]}" > "$OUT/$name.txt" 2>&1
-        grep -E "Maximum request concurrency|Output token throughput|Mean TPOT|Mean TTFT|Acceptance length|Engine busy" \
+        grep -E "Maximum request concurrency|Output token throughput|Mean TPOT|Mean TTFT|Acceptance length|Engine busy|steps:|mean \(ms\)|prompt tokens" \
             "$OUT/$name.txt" | sed "s/^/[$name] /"
         # the step-time histograms (a few slow steps or all of them?), and the steps the worker logged as slow
         for url in ${metrics//,/ }; do python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], \

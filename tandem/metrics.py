@@ -92,6 +92,8 @@ _SPECS = (
     _Spec("engine_step_seconds", Histogram, "Duration of one engine step (host time up to its sampled tokens), by "
           "what it ran: decode (decode/verify rows only), mixed (decode rows and prompt chunks), prefill (prompt "
           "chunks only).", _P + _D, ("kind",), buckets=STEP_BUCKETS),
+    _Spec("engine_step_prompt_tokens_total", Counter, "Prompt tokens the engine steps ran, by step kind: with "
+          "engine_step_seconds, the time a mixed or prefill step spends per prompt token.", _P + _D, ("kind",)),
     _Spec("worker_healthy", Gauge, "1 when the router sees the worker healthy, else 0.", _R,
           ("target_worker", "role")),
 )
@@ -145,9 +147,9 @@ class Metrics:
                 elif s.attr == "request_success_total":
                     for reason in FINISHED_REASONS:
                         self.request_success_total(reason)
-                elif s.attr == "engine_step_seconds":
+                elif s.attr in ("engine_step_seconds", "engine_step_prompt_tokens_total"):
                     for kind in STEP_KINDS:
-                        self.engine_step_seconds(kind)
+                        getattr(self, s.attr)(kind)
 
     def __getattr__(self, attr):
         # Unlabelled metrics not pre-bound for this role are bound on first use.
@@ -169,9 +171,15 @@ class Metrics:
             self.model_name, self.worker, str(int(position)))
 
     def engine_step_seconds(self, kind: str):
+        return self._by_step_kind("engine_step_seconds", kind)
+
+    def engine_step_prompt_tokens_total(self, kind: str):
+        return self._by_step_kind("engine_step_prompt_tokens_total", kind)
+
+    def _by_step_kind(self, attr: str, kind: str):
         if kind not in STEP_KINDS:
             raise ValueError(f"kind: {kind!r} is not one of {STEP_KINDS}")
-        return self.families["engine_step_seconds"].labels(self.model_name, self.worker, kind)
+        return self.families[attr].labels(self.model_name, self.worker, kind)
 
     def handoff_failures_total(self, reason: str):
         return self.families["handoff_failures_total"].labels(self.model_name, self.worker, reason)

@@ -104,6 +104,7 @@ def test_bench_openai_sweep(cluster, tmp_path, capsys):
     assert rc == 0 and out.count("Serving Benchmark Result") == 2
     assert "Request rate configured (RPS):" in out
     assert out.count("-Engine Steps-") == (2 if urls else 0)
+    assert out.count("ms per 1k prompt tokens:") >= (2 if urls else 0)
     for c in (1, 4):
         res = json.loads((tmp_path / f"sweep-c{c}.json").read_text())
         assert res["completed"] == 8 and res["max_concurrency"] == c and res["total_output_tokens"] > 0
@@ -117,6 +118,8 @@ def test_bench_openai_sweep(cluster, tmp_path, capsys):
             steps = res["engine_steps"]
             assert set(steps) <= set(STEP_KINDS) and {"prefill", "decode"} <= set(steps)
             assert all(k["steps"] > 0 and 0 < k["mean_ms"] < 60e3 for k in steps.values())
+            # every prompt token of the run went through exactly one engine step
+            assert sum(k["prompt_tokens"] for k in steps.values()) == res["total_input_tokens"]
             # busy share: step seconds over the run's duration, summed over the two engines
             assert 0 < res["engine_busy_percent"] <= 200 * 1.05
     assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 1000
@@ -157,16 +160,21 @@ def test_engine_step_parsing():
     seconds as a share of the run's duration."""
     a, b = Metrics("x", "prefill-0", role="prefill"), Metrics("x", "decode-0", role="decode")
     a.engine_step_seconds("prefill").observe(5.0)  # before the run: not counted
+    a.engine_step_prompt_tokens_total("prefill").inc(8192)
     texts = lambda: [m.generate_latest().decode() for m in (a, b)]  # noqa: E731
     before = report.merge_steps([report.parse_step_metrics(t) for t in texts()])
     for seconds in (0.2, 0.4):
         a.engine_step_seconds("prefill").observe(seconds)
+        a.engine_step_prompt_tokens_total("prefill").inc(2048)
     for seconds in (0.01, 0.03, 0.02):
         b.engine_step_seconds("decode").observe(seconds)
     b.engine_step_seconds("mixed").observe(0.1)
+    b.engine_step_prompt_tokens_total("mixed").inc(1000)
     d = report.steps_delta(before, report.merge_steps([report.parse_step_metrics(t) for t in texts()]), 2.0)
     assert list(d["kinds"]) == ["decode", "mixed", "prefill"]  # kinds with steps in the run only
     assert d["kinds"]["prefill"]["steps"] == 2 and d["kinds"]["prefill"]["mean_ms"] == pytest.approx(300.0)
+    assert d["kinds"]["prefill"]["prompt_tokens"] == 4096 and d["kinds"]["mixed"]["prompt_tokens"] == 1000
+    assert d["kinds"]["decode"]["prompt_tokens"] == 0
     assert d["kinds"]["decode"]["steps"] == 3 and d["kinds"]["decode"]["seconds"] == pytest.approx(0.06)
     assert d["busy_percent"] == pytest.approx(100 * (0.6 + 0.06 + 0.1) / 2.0)
     assert report.parse_step_metrics("# nothing\n") is None and report.steps_delta(None, before, 1.0) is None

@@ -39,6 +39,7 @@ def touch_everything(m: Metrics):
     m.handoff_failed("transport")
     m.set_worker_healthy("prefill-0", "prefill", True)
     m.engine_step_seconds("mixed").observe(0.08)
+    m.engine_step_prompt_tokens_total("mixed").inc(1820)
 
 
 def test_exposed_names_equal_names():
@@ -106,6 +107,7 @@ def test_labels_and_values():
     assert value("tandem:request_decode_time_seconds_sum") == 1.0
     assert value("tandem:engine_step_seconds_count", kind="mixed") == 1
     assert value("tandem:engine_step_seconds_sum", kind="mixed") == pytest.approx(0.08)
+    assert value("tandem:engine_step_prompt_tokens_total", kind="mixed") == 1820
     m.remove_worker("prefill-0", "prefill")
     assert not [n for n, _, _ in samples(m) if n == "tandem:worker_healthy"]
 
@@ -124,11 +126,15 @@ def test_roles_precreate_only_their_series():
     assert "tandem:time_to_first_token_seconds_count" not in names
     kinds = {lab["kind"] for n, lab, _ in samples(decode) if n == "tandem:engine_step_seconds_count"}
     assert kinds == set(tm.STEP_KINDS)  # at zero from the start
+    token_kinds = {lab["kind"] for n, lab, _ in samples(decode) if n == "tandem:engine_step_prompt_tokens_total"}
+    assert token_kinds == set(tm.STEP_KINDS)
     assert "tandem:engine_step_seconds_count" not in {n for n, _, _ in samples(router)}
     with pytest.raises(ValueError):
         decode.request_success_total("finished")
     with pytest.raises(ValueError):
         decode.engine_step_seconds("verify")
+    with pytest.raises(ValueError):
+        decode.engine_step_prompt_tokens_total("verify")
     with pytest.raises(ValueError):
         Metrics("m", "x", registry=CollectorRegistry(), role="colocated")
 

@@ -12,6 +12,7 @@ from tandem.bench.backends import RequestOutput
 
 SPEC_PREFIX = "tandem:spec_decode_"
 STEP_METRIC = "tandem:engine_step_seconds"
+STEP_TOKENS_METRIC = "tandem:engine_step_prompt_tokens_total"
 
 
 def _stats(values: list[float], percentiles: list[float]) -> dict:
@@ -119,15 +120,16 @@ def spec_delta(before: dict | None, after: dict | None) -> dict | None:
 
 # ---- engine steps (histogram sums and counts by kind, summed over every worker) -------------------------------
 def parse_step_metrics(text: str) -> dict | None:
-    """kind -> [steps, seconds] over the text's `engine_step_seconds` series; None when there are none."""
+    """kind -> [steps, seconds, prompt tokens] over the text's `engine_step_seconds` and
+    `engine_step_prompt_tokens_total` series; None when there are none."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    fields = {STEP_METRIC + "_count": 0, STEP_METRIC + "_sum": 1, STEP_TOKENS_METRIC: 2}
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name in (STEP_METRIC + "_count", STEP_METRIC + "_sum"):
-                k = out.setdefault(s.labels.get("kind", ""), [0.0, 0.0])
-                k[0 if s.name.endswith("_count") else 1] += s.value
+            if s.name in fields:
+                out.setdefault(s.labels.get("kind", ""), [0.0, 0.0, 0.0])[fields[s.name]] += s.value
     return out or None
 
 
@@ -137,10 +139,8 @@ def merge_steps(parts: list[dict | None]) -> dict | None:
         return None
     out = {}
     for p in parts:
-        for kind, (n, sec) in p.items():
-            k = out.setdefault(kind, [0.0, 0.0])
-            k[0] += n
-            k[1] += sec
+        for kind, values in p.items():
+            out[kind] = [a + b for a, b in zip(out.get(kind, [0.0, 0.0, 0.0]), values)]
     return out
 
 
@@ -150,10 +150,11 @@ def steps_delta(before: dict | None, after: dict | None, duration: float) -> dic
     if before is None or after is None:
         return None
     kinds = {}
-    for kind, (n, sec) in sorted(after.items()):
-        n0, sec0 = before.get(kind, [0.0, 0.0])
+    for kind, (n, sec, tokens) in sorted(after.items()):
+        n0, sec0, tokens0 = before.get(kind, [0.0, 0.0, 0.0])
         if n - n0 > 0:
-            kinds[kind] = {"steps": int(n - n0), "seconds": sec - sec0, "mean_ms": 1e3 * (sec - sec0) / (n - n0)}
+            kinds[kind] = {"steps": int(n - n0), "seconds": sec - sec0, "mean_ms": 1e3 * (sec - sec0) / (n - n0),
+                           "prompt_tokens": int(tokens - tokens0)}
     busy = sum(k["seconds"] for k in kinds.values())
     return {"kinds": kinds, "busy_percent": 100.0 * busy / duration if duration > 0 else 0.0}
 
@@ -209,5 +210,8 @@ def render(m: dict, spec: dict | None, max_concurrency: int | None, request_rate
         for kind, k in steps["kinds"].items():
             row(f"{kind.capitalize()} steps:", k["steps"])
             row("  mean (ms):", k["mean_ms"], "{:<10.2f}")
+            if k["prompt_tokens"]:  # what a prompt token costs in these steps (decode rows' time included)
+                row("  mean prompt tokens:", k["prompt_tokens"] / k["steps"], "{:<10.1f}")
+                row("  ms per 1k prompt tokens:", 1e6 * k["seconds"] / k["prompt_tokens"], "{:<10.2f}")
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -4,7 +4,8 @@ Between steps the loop runs queued calls, then `periodic()` (lease expiry and su
 then `after_step(active, finished)` where `active` are the requests that were running during the step. A
 failing step is reported through `on_error(exc, active)` so that the requests in it end with an error instead
 of hanging, and the loop goes on. With `metrics`, each step's duration goes to `engine_step_seconds` by its kind
-(`Engine.last_step`): summed over a run, how busy the engine was.
+(`Engine.last_step`), and its prompt tokens to `engine_step_prompt_tokens_total`: summed over a run, how busy
+the engine was, and what a prompt token cost in mixed and prefill steps.
 
 `defer(fn, *args)` (from `after_step`) holds back what wakes other threads -- handing a step's tokens to the
 streams that send them -- until the next step has put its work on the device (`Engine.on_launch`), or until the
@@ -116,6 +117,7 @@ class EngineLoop:
                 seconds, shape = time.perf_counter() - t0, self.engine.last_step
                 if self.metrics is not None and shape is not None:
                     self.metrics.engine_step_seconds(shape.kind).observe(seconds)
+                    self.metrics.engine_step_prompt_tokens_total(shape.kind).inc(shape.prompt_tokens)
                 if seconds > SLOW_STEP_SECONDS and shape is not None:  # every running request waited this long
                     log.warning("slow engine step: %.2f s (%d decode requests, %d prompt tokens); a kernel "
                                 "compiling while serving, or an oversized step budget", seconds, shape.decodes,
