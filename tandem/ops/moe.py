@@ -582,8 +582,8 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     if T == 0:
         return torch.zeros_like(x)
     fp8 = block is not None
-    bm, gu, dn, fast = _configs(n_pairs, E, fp8)
-    bm, gu, dn, dot = block_m or bm, gate_up_cfg or gu, down_cfg or dn, fast if dot is None else dot
+    bm, gu, dn, size_dot = _configs(n_pairs, E, fp8)
+    bm, gu, dn, dot = block_m or bm, gate_up_cfg or gu, down_cfg or dn, size_dot if dot is None else dot
     x = x.contiguous() if x.stride(1) != 1 else x
     gate_up, down = gate_up.contiguous(), down.contiguous()
     route_w = weights.reshape(-1).contiguous()
