@@ -208,6 +208,30 @@ def test_conv1d_kernel_cpu_interpreter_bf16_k2():
     run_conv(gdn.causal_conv1d_triton, 1, [1, 1, 1], 32, 4, torch.float32, "cpu", FP32, seed=22)  # decode: 1-row tiles
 
 
+def check_l2_normalized(fn, rows, heads, D, dtype, device, seed):
+    """fn(q, k) against fp64 maths: each row of D values over sqrt(its sum of squares + 1e-6), rounded once to the
+    dtype (bf16: within one rounding of it); a zero row stays zero."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(rows, heads, D, generator=g, device=device) * 3
+    k = torch.randn(rows, heads, D, generator=g, device=device) / 7
+    q[rows // 2, 0] = 0
+    q, k = q.to(dtype), k.to(dtype)
+    for got, x in zip(fn(q, k), (q, k)):
+        assert got.shape == x.shape and got.dtype == dtype
+        want = x.double() / (x.double().square().sum(-1, keepdim=True) + 1e-6).sqrt()
+        tol = 2e-6 if dtype == torch.float32 else 2**-8
+        assert ((got.double() - want).abs() <= tol * want.abs() + 1e-7).all()
+    assert not fn(q, k)[0][rows // 2, 0].any()
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2_normalize_qk_kernel_cpu_interpreter(dtype):
+    # 37 x 3 rows: not a multiple of the 16-row tile; D = 24: masked columns past it in the 32-wide tile
+    check_l2_normalized(gdn.l2_normalize_qk_triton, 37, 3, 24, dtype, "cpu", seed=40)
+    check_l2_normalized(gdn.l2_normalize_qk, 5, 2, 16, dtype, "cpu", seed=41)  # the dispatch: the reference
+
+
 def test_dispatch_cpu_takes_reference():
     g = torch.Generator().manual_seed(30)
     batch, slots = make_batch([1, 2], 2, "cpu", g)
@@ -319,6 +343,12 @@ def test_gdn_gpu_fla_prefill(W):
     # non-contiguous long requests (a decode between them)
     run_gdn(gdn.gated_delta_rule_gpu, W, [300, 1, 200, W], **QWEN, dtype=torch.bfloat16, device="cuda", tol=FLA_BF16,
             seed=80 + W)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2_normalize_qk_gpu(dtype):
+    check_l2_normalized(gdn.l2_normalize_qk, 1000, QWEN["nk"], QWEN["dk"], dtype, "cuda", seed=45)
 
 
 @pytest.mark.gpu
