@@ -138,10 +138,11 @@ def test_cublas_probe_falls_back_when_torch_refuses(monkeypatch):
 
     monkeypatch.setattr(F, "scaled_mm", refuse)
     assert fp8._probe_cublas(torch.device("cpu")) is None
-    x, q = torch.empty(257, 256, dtype=torch.bfloat16), torch.empty(384, 256, dtype=fp8.FP8_DTYPE)
+    x, q = torch.empty(257, 512, dtype=torch.bfloat16), torch.empty(384, 512, dtype=fp8.FP8_DTYPE)
     assert fp8._cublas_fits(x, q, (128, 128))
     assert not fp8._cublas_fits(x[:256], q, (128, 128))  # decode and verify sizes: the Triton kernel
     assert not fp8._cublas_fits(x.float(), q, (128, 128)) and not fp8._cublas_fits(x, q[:200], (128, 128))
+    assert not fp8._cublas_fits(x[:, :384], q[:, :384], (128, 128))  # 3 K blocks: cuBLAS wants a multiple of 4
 
 
 @needs_interpreter
@@ -156,8 +157,8 @@ def test_cublas_refusal_at_run_time_falls_back_to_the_kernel_for_good(monkeypatc
     monkeypatch.setattr(fp8, "w8a8_linear_cublas", refuse)
     monkeypatch.setitem(fp8._CUBLAS_LAYOUT, -1, (1, 2))
     monkeypatch.setattr(fp8, "cublas_layout", lambda device: fp8._CUBLAS_LAYOUT[-1])
-    q, s = weight(128, 256, (128, 128), seed=5)
-    x = torch.randn(260, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    q, s = weight(128, 512, (128, 128), seed=5)
+    x = torch.randn(260, 512, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     check_linear(fp8.w8a8_linear(x, q, s, (128, 128)), x, q, s, (128, 128), rtol=2**-8)
     assert len(calls) == 1 and fp8._CUBLAS_LAYOUT[-1] is None
     check_linear(fp8.w8a8_linear(x, q, s, (128, 128)), x, q, s, (128, 128), rtol=2**-8)

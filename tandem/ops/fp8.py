@@ -22,8 +22,9 @@ Prefill-size GEMMs (more than 256 rows) are compute-bound, and there the Triton 
 cuBLAS GEMM. They take torch's block-scaled FP8 matmul instead (`F.scaled_mm` with 1x128 activation and 128x128
 weight scales: cuBLAS on Hopper) when it is there and reproduces the Triton kernel on this device: the first
 such GEMM on a device (never inside a CUDA-graph capture) probes the layouts torch may want the scales in, on a
-small problem, and keeps the first one whose result matches (`cublas_layout`); none: the Triton kernel (torch 2.11
-on an H100 found none).
+small problem, and keeps the first one whose result matches (`cublas_layout`); none: the Triton kernel. (Until
+`_probe_cublas` used K = 4 blocks, torch 2.11 refused every layout on an H100: cuBLAS wants the weight's scale grid
+padded to a multiple of 4 K blocks, so its K of 3 blocks was never going to pass.)
 """
 
 from __future__ import annotations
@@ -278,9 +279,11 @@ _CUBLAS_LAYOUT: dict[int, tuple[int, int] | None] = {}
 
 
 def _cublas_fits(x, w, block) -> bool:
+    """cuBLAS reads the weight's scale grid with its K extent padded to a multiple of 4 blocks (the model's K of
+    2048 and 4096 need none; other shapes take the Triton kernel rather than a padded copy per call)."""
     N, K = w.shape
     rows = x.numel() // K if K else 0
-    return (rows >= CUBLAS_MIN_ROWS and tuple(block) == (128, 128) and N % 128 == 0 and K % 128 == 0
+    return (rows >= CUBLAS_MIN_ROWS and tuple(block) == (128, 128) and N % 128 == 0 and K % 512 == 0
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
@@ -330,18 +333,19 @@ def _device_index(device: torch.device) -> int:
 
 
 def _probe_cublas(device: torch.device) -> tuple[int, int] | None:
-    """Each layout on a 301 x 384 by 256 x 384 problem (an odd row count; non-square scale grids, so a transposed
-    one shows), against the Triton kernel, within 2^-8 of the magnitudes |x| @ |w|."""
+    """Each layout on a 301 x 512 by 256 x 512 problem (an odd row count; non-square scale grids, so a transposed
+    one shows; K of 4 blocks, which cuBLAS needs unpadded), against the Triton kernel, within 2^-8 of the
+    magnitudes |x| @ |w|."""
     if _recipes() is None:
         log.info("FP8 prefill GEMMs: the Triton kernel (this torch has no block-scaled F.scaled_mm)")
         return None
     g = torch.Generator(device=device).manual_seed(0)
     # every scale block of a different magnitude, so a scale read from the wrong block shows
-    groups = torch.arange(1, 4, device=device, dtype=torch.float32).repeat_interleave(128)  # [384]
+    groups = torch.arange(1, 5, device=device, dtype=torch.float32).repeat_interleave(128)  # [512]
     rows = torch.linspace(0.5, 2.0, 301, device=device)[:, None]
-    x = (torch.randn(301, 384, device=device, generator=g) * groups * rows).to(torch.bfloat16)
-    blocks = torch.tensor([[1.0, 2.0, 3.0], [5.0, 7.0, 11.0]], device=device)  # [N/128, K/128]
-    w_full = torch.randn(256, 384, device=device, generator=g) / 384**0.5
+    x = (torch.randn(301, 512, device=device, generator=g) * groups * rows).to(torch.bfloat16)
+    blocks = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 7.0, 11.0, 13.0]], device=device)  # [N/128, K/128]
+    w_full = torch.randn(256, 512, device=device, generator=g) / 512**0.5
     w, s = quantize_block_fp8(w_full * blocks.repeat_interleave(128, 0).repeat_interleave(128, 1))
     want = w8a8_linear_triton(x, w, s, (128, 128)).float()
     bound = 2**-8 * (x.float().abs() @ dequantize_block_fp8(w, s).float().abs().T) + 1e-6
@@ -356,7 +360,8 @@ def _probe_cublas(device: torch.device) -> tuple[int, int] | None:
         if got.shape == want.shape and ((got - want).abs() <= bound).all():
             log.info("FP8 prefill GEMMs: torch's block-scaled matmul (scale layouts %s)", layout)
             return layout
-    log.info("FP8 prefill GEMMs: the Triton kernel (no scale layout reproduced it; refusals: %s)", refused[:2])
+    log.info("FP8 prefill GEMMs: the Triton kernel (no scale layout reproduced it; refusals: %s)",
+             sorted(set(refused)))
     return None
 
 
