@@ -138,7 +138,7 @@ def l2_normalize_qk_triton(q, k, eps=1e-6):
     assert q.shape == k.shape and q.dtype == k.dtype
     D = q.shape[-1]
     qo, ko = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(2))
-    n, br = q.numel() // D if D else 0, 16
+    n, br = q.numel() // D, 16
     if n:
         _l2_normalize_qk_kernel[(triton.cdiv(n, br), 2)](q.contiguous(), k.contiguous(), qo, ko, n, eps, D=D,
                                                          BD=_pow2(D), BR=br, num_warps=4)
@@ -474,10 +474,9 @@ def gated_delta_rule_fla(q, k, v, gates: Gates, state, batch: ForwardBatch, requ
     nor keep rows: the engine only keeps a verify step's rows): initial states gathered from their slots, final
     states written back; fills their rows of `out`. Without `out`, the requests must be all the batch's rows:
     fla's own output is returned (no copy). The gates are computed by their own launch here (prefill sizes: one
-    launch more is nothing), and q, k normalised by one (`l2_normalize_qk`) instead of fla's two, whose host code
-    was a fifth of fla's host time in served mixed steps (py-spy); the slots' states move by index_select /
-    index_copy_, cheaper to launch than indexing. Together a third less host time in these cores: time the engine
-    thread then waits on the device, or leaves to the server's threads (the steps measured were device-bound)."""
+    launch more is nothing), q and k normalised by one (`l2_normalize_qk`) rather than fla's two, and the slots'
+    states moved by index_select / index_copy_ rather than indexing: a third less host time in these cores
+    (py-spy on served mixed steps, which were device-bound: docs/BENCHMARKS.md, eighth session)."""
     qsl = batch.query_start_loc_cpu
     spans = [(qsl[i], qsl[i + 1]) for i in requests]
     assert all(b - a > FLA_MIN_ROWS for a, b in spans)
