@@ -16,8 +16,10 @@ finite garbage there that nothing reads.
 
 Graphs of all buckets share one memory pool and are captured largest first; a step replays one bucket's graphs in
 the order they were captured, so memory that one capture gave back to the pool can serve a later one. What the
-cores read and write stays allocated per bucket (on the 35B-A3B about 1.2 MB per token of the bucket, mostly the
-GDN projections whose parts the recurrence reads): ~11 GB for the buckets up to 2048 tokens, ~27 GB up to 4096.
+cores read stays allocated per bucket (on the 35B-A3B about 0.8 MB per token of the bucket, mostly the fused GDN
+projections whose parts the recurrence reads): ~8 GB for the buckets up to 2048 tokens, ~19 GB up to 4096 (an
+80 GB card with the FP8 35B-A3B ran out of memory capturing those). What they write is one buffer per core for all
+buckets (0.3 MB per token of the largest; per bucket it was ~3 GB more up to 2048, ~6 GB up to 4096).
 On a CPU (tests) nothing is captured: each step runs the forward over the same padded buffers and static core
 outputs, so the padding logic is checked against the plain forward without a GPU.
 """
@@ -65,7 +67,15 @@ class PrefillGraphs:
         self.slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.pieces: dict[int, _Pieces] = {}
-        self.cpu_outs: dict[int, list[torch.Tensor]] = {}  # the static core outputs of the CPU path
+        self.cpu_outs: dict[int, list[torch.Tensor]] = {}  # the static core outputs of the CPU path, per bucket
+        self.core_outs: list[torch.Tensor] = []  # core i's output buffer, of the largest bucket's rows
+
+    def _core_out(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Core i's static output for a bucket of like's rows: the first rows of one zeroed buffer per core, shared
+        by every bucket (a step replays one bucket; rows past its own keep finite values of earlier steps)."""
+        if i == len(self.core_outs):
+            self.core_outs.append(torch.zeros(self.buckets[-1], *like.shape[1:], dtype=like.dtype, device=like.device))
+        return self.core_outs[i][: like.shape[0]]
 
     def fits(self, n_tokens: int) -> bool:
         return n_tokens <= self.buckets[-1]
@@ -140,7 +150,7 @@ class PrefillGraphs:
                 break
             # the core's output buffer, shaped by one run of the core (on inputs the graphs have not computed
             # yet: its result and its writes to the null slot are garbage nobody reads)
-            sent = torch.zeros_like(core(batch))
+            sent = self._core_out(len(outs), core(batch))
             cores.append(core)
             outs.append(sent)
         torch.cuda.synchronize()
@@ -158,6 +168,6 @@ class PrefillGraphs:
             except StopIteration as done:
                 return done.value
             if i == len(outs):
-                outs.append(torch.zeros_like(core(static)))
+                outs.append(self._core_out(i, core(static)))
             core(batch, rows=T, out=outs[i][:T])
             sent, i = outs[i], i + 1
