@@ -32,16 +32,20 @@ def reference_mtp(model, hf_layer, rotary, next_ids, hiddens):
     return rms1p(out[0], m.norm.weight)
 
 
+def hf_mtp_layer(cfg, model):
+    """HF's decoder layer holding the MTP layer's weights, and its rotary embedding."""
+    hf_cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in PRESETS["tiny-moe"].items() if k != "model_type"})
+    hf_cfg._attn_implementation = "sdpa"
+    hf_layer = hf_moe.Qwen3_5MoeDecoderLayer(hf_cfg, cfg.attention_layers[0]).eval()
+    hf_layer.load_state_dict(model.mtp.layers[0].state_dict())
+    return hf_layer, hf_moe.Qwen3_5MoeTextRotaryEmbedding(hf_cfg)
+
+
 def test_mtp_head_and_recursion_match_reference():
     cfg = preset_config("tiny-moe")
     model = random_model(cfg, "cpu", torch.float32, seed=3)
     eng = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64))
-    hf_cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in PRESETS["tiny-moe"].items() if k != "model_type"})
-    hf_cfg._attn_implementation = "sdpa"
-    attn_idx = cfg.attention_layers[0]
-    hf_layer = hf_moe.Qwen3_5MoeDecoderLayer(hf_cfg, attn_idx).eval()
-    hf_layer.load_state_dict(model.mtp.layers[0].state_dict())
-    rotary = hf_moe.Qwen3_5MoeTextRotaryEmbedding(hf_cfg)
+    hf_layer, rotary = hf_mtp_layer(cfg, model)
 
     prompt = torch.randint(2, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(0)).tolist()
     target = Sequence("t", prompt, SamplingParams(max_tokens=8))
@@ -75,3 +79,32 @@ def test_mtp_head_and_recursion_match_reference():
         assert (torch.cat(ours) - ref_all[: len(prompt) + 2]).abs().max() <= 1e-5
         ref_drafts = [int(model.compute_logits(ref_all[len(prompt) - 1 + i : len(prompt) + i]).argmax()) for i in range(3)]
         assert drafts == ref_drafts
+
+
+def test_engine_drafts_match_reference():
+    """The engine's own draft loop (`spec.draft`: the head over the prompt's rows, then k - 1 recursion steps, each
+    fed the previous draft) against the reference recursion, with k = 3, after a prompt's one prefill step."""
+    cfg = preset_config("tiny-moe")
+    model = random_model(cfg, "cpu", torch.float32, seed=3)
+    hf_layer, rotary = hf_mtp_layer(cfg, model)
+    prompt = torch.randint(2, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    eng = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64, num_speculative_tokens=3))
+    eng.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    seq = eng.sequences["r"]
+    eng.step()
+    assert seq.num_computed == len(prompt) and len(seq.drafts) == 3
+    plain = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64))
+    target = Sequence("t", prompt, SamplingParams(max_tokens=8))
+    plain.scheduler.add(target)
+    assert plain.scheduler._try_admit(plain.scheduler.waiting.popleft())
+    with torch.no_grad():
+        h = model(plain.runner.build_batch([ScheduledChunk(target, len(prompt))]), plain.pools.layer_caches)
+        first = int(model.compute_logits(h[-1:]).argmax())
+        assert seq.output_token_ids == [first]
+        hiddens, next_ids, want = list(h), prompt[1:] + [first], []
+        for _ in range(3):
+            ref = reference_mtp(model, hf_layer, rotary, torch.tensor(next_ids), torch.stack(hiddens))
+            want.append(int(model.compute_logits(ref[-1:]).argmax()))
+            hiddens.append(ref[-1])
+            next_ids.append(want[-1])
+    assert seq.drafts == want
