@@ -75,14 +75,16 @@ def draft(model, runner, pools, items, hidden_rows: torch.Tensor, drafting: list
     if not which:
         return [[] for _ in items]
     last = out[batch.logits_indices[which]]
-    drafts = [[t] for t in model.compute_logits(last).argmax(-1).tolist()]
+    tokens = [model.compute_logits(last).argmax(-1)]
     seqs = [items[i][0] for i in which]
     next_pos = [items[i][1] + len(items[i][2]) for i in which]
     for step in range(1, k):
-        rec = runner.rows_batch([(seq, pos + step - 1, [d[-1]]) for seq, pos, d in zip(seqs, next_pos, drafts)])
-        last = model.mtp(model.model.embed_tokens(rec.input_ids), last, rec, model.inv_freq, pools.mtp_cache)
-        for d, t in zip(drafts, model.compute_logits(last).argmax(-1).tolist()):
-            d.append(t)
+        # each pass reads the previous pass's drafts on the device: every pass is queued before the host waits
+        # once for all of them (the batch's own token ids, placeholders here, are not read)
+        rec = runner.rows_batch([(seq, pos + step - 1, [0]) for seq, pos in zip(seqs, next_pos)])
+        last = model.mtp(model.model.embed_tokens(tokens[-1]), last, rec, model.inv_freq, pools.mtp_cache)
+        tokens.append(model.compute_logits(last).argmax(-1))
+    drafts = torch.stack(tokens, 1).tolist()
     out_drafts = [[] for _ in items]
     for i, d in zip(which, drafts):
         out_drafts[i] = d
