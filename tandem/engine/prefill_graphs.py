@@ -17,9 +17,9 @@ finite garbage there that nothing reads.
 Graphs of all buckets share one memory pool and are captured largest first; a step replays one bucket's graphs in
 the order they were captured, so memory that one capture gave back to the pool can serve a later one. What the
 cores read stays allocated per bucket (on the 35B-A3B about 0.8 MB per token of the bucket, mostly the fused GDN
-projections whose parts the recurrence reads): ~8 GB for the buckets up to 2048 tokens, ~19 GB up to 4096 (an
-80 GB card with the FP8 35B-A3B ran out of memory capturing those). What they write is one buffer per core for all
-buckets (0.3 MB per token of the largest; per bucket it was ~3 GB more up to 2048, ~6 GB up to 4096).
+projections whose parts the recurrence reads): ~8 GB for the buckets up to 2048 tokens, ~19 GB up to 4096. What
+they write is one buffer per core for all buckets (0.3 MB per token of the largest). Per bucket, as it was, that
+was ~3 GB more up to 2048 and ~6 GB up to 4096, where an 80 GB card with the FP8 35B-A3B ran out of memory.
 On a CPU (tests) nothing is captured: each step runs the forward over the same padded buffers and static core
 outputs, so the padding logic is checked against the plain forward without a GPU.
 """
