@@ -60,13 +60,17 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
         local metrics  # every worker's (the router is listed first): speculation and engine step times
         metrics=$(grep -o 'metrics=[^ ]*' "$OUT/$name.serve.log" | cut -d= -f2 | tr ',' '\n' | tail -n +2 \
             | sed 's|.*|http://&/metrics|' | paste -sd,)
-        if [ -n "${SPY:-}" ] && command -v py-spy > /dev/null; then  # SPY=seconds: sample the decode worker's
-            local dpid                          # threads 10 s into the run, all of them (idle ones too), then
-            dpid=$(grep -o 'decode-0:[0-9]*' "$OUT/$name.serve.log" | head -1 | cut -d: -f2)  # the GIL holder
+        local spy_pid=""
+        # SPY=seconds: 10 s into the run, two samplings of the decode worker's threads over the same window, one
+        # of all of them (idle ones too), one of the GIL holder
+        if [ -n "${SPY:-}" ] && command -v py-spy > /dev/null; then
+            local dpid
+            dpid=$(grep -o 'decode-0:[0-9]*' "$OUT/$name.serve.log" | head -1 | cut -d: -f2)
             (sleep 10; for mode in idle gil; do
                 py-spy record --pid "$dpid" --duration "$SPY" --rate 200 --threads "--$mode" --nonblocking -f raw \
-                    -o "$OUT/$name.spy-$mode.txt" > /dev/null 2>&1
-            done) &
+                    -o "$OUT/$name.spy-$mode.txt" > /dev/null 2>&1 &
+            done; wait) &
+            spy_pid=$!
         fi
         timeout 400 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
             --metrics-url "$metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$name.json" \
@@ -79,6 +83,11 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
         grep -E "^tandem:engine_step_seconds_(bucket|count).*mixed" "$OUT/$name.metrics.txt" | grep -v 'le="0.0' \
             | sed "s/^/[$name] /" | head -30
         grep -E "slow engine step|FP8 prefill GEMMs" "$OUT/$name.serve.log" | head -10 | sed "s/^/[$name] /"
+        if [ -n "$spy_pid" ]; then  # the samples' summary: where the engine thread's time went, who held the GIL
+            wait "$spy_pid"
+            [ -s "$OUT/$name.spy-idle.txt" ] && python3 benchmarks/spy_report.py "$OUT/$name.spy-idle.txt" \
+                $([ -s "$OUT/$name.spy-gil.txt" ] && echo "$OUT/$name.spy-gil.txt") | sed "s/^/[$name] /"
+        fi
     else
         echo "[$name] the server did not come up; see $name.serve.log"; tail -5 "$OUT/$name.serve.log"
     fi
