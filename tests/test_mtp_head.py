@@ -41,19 +41,24 @@ def hf_mtp_layer(cfg, model):
     return hf_layer, hf_moe.Qwen3_5MoeTextRotaryEmbedding(hf_cfg)
 
 
-def test_mtp_head_and_recursion_match_reference():
-    cfg = preset_config("tiny-moe")
-    model = random_model(cfg, "cpu", torch.float32, seed=3)
+@torch.no_grad()
+def prompt_hidden(cfg, model, prompt):
+    """A plain engine (no speculation) holding the prompt as one sequence, and the target's final hidden states over
+    its rows: (engine, sequence, hidden [N, H])."""
     eng = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64))
-    hf_layer, rotary = hf_mtp_layer(cfg, model)
-
-    prompt = torch.randint(2, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(0)).tolist()
     target = Sequence("t", prompt, SamplingParams(max_tokens=8))
     eng.scheduler.add(target)
     assert eng.scheduler._try_admit(eng.scheduler.waiting.popleft())
-    batch = eng.runner.build_batch([ScheduledChunk(target, len(prompt))])
+    return eng, target, model(eng.runner.build_batch([ScheduledChunk(target, len(prompt))]), eng.pools.layer_caches)
+
+
+def test_mtp_head_and_recursion_match_reference():
+    cfg = preset_config("tiny-moe")
+    model = random_model(cfg, "cpu", torch.float32, seed=3)
+    hf_layer, rotary = hf_mtp_layer(cfg, model)
+    prompt = torch.randint(2, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(0)).tolist()
+    eng, target, h = prompt_hidden(cfg, model, prompt)
     with torch.no_grad():
-        h = model(batch, eng.pools.layer_caches)
         t_next = int(model.compute_logits(h[-1:]).argmax())
         # the MTP inputs at positions 0..N-1 are the tokens shifted by one: x_1 .. x_{N-1}, t_N
         mtp_seq = Sequence("m", prompt[1:] + [t_next], SamplingParams(max_tokens=8), block_ids=target.block_ids,
@@ -93,12 +98,8 @@ def test_engine_drafts_match_reference():
     seq = eng.sequences["r"]
     eng.step()
     assert seq.num_computed == len(prompt) and len(seq.drafts) == 3
-    plain = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64))
-    target = Sequence("t", prompt, SamplingParams(max_tokens=8))
-    plain.scheduler.add(target)
-    assert plain.scheduler._try_admit(plain.scheduler.waiting.popleft())
+    _, _, h = prompt_hidden(cfg, model, prompt)
     with torch.no_grad():
-        h = model(plain.runner.build_batch([ScheduledChunk(target, len(prompt))]), plain.pools.layer_caches)
         first = int(model.compute_logits(h[-1:]).argmax())
         assert seq.output_token_ids == [first]
         hiddens, next_ids, want = list(h), prompt[1:] + [first], []
