@@ -138,9 +138,10 @@ def test_cublas_probe_falls_back_when_torch_refuses(monkeypatch):
 
     monkeypatch.setattr(F, "scaled_mm", refuse)
     assert fp8._probe_cublas(torch.device("cpu")) is None
-    x, q = torch.empty(257, 512, dtype=torch.bfloat16), torch.empty(384, 512, dtype=fp8.FP8_DTYPE)
+    x, q = torch.empty(260, 512, dtype=torch.bfloat16), torch.empty(384, 512, dtype=fp8.FP8_DTYPE)
     assert fp8._cublas_fits(x, q, (128, 128))
     assert not fp8._cublas_fits(x[:256], q, (128, 128))  # decode and verify sizes: the Triton kernel
+    assert not fp8._cublas_fits(x[:257], q, (128, 128))  # the activations' scales' leading dimension unaligned
     assert not fp8._cublas_fits(x.float(), q, (128, 128)) and not fp8._cublas_fits(x, q[:200], (128, 128))
     assert not fp8._cublas_fits(x[:, :384], q[:, :384], (128, 128))  # 3 K blocks: cuBLAS wants a multiple of 4
 

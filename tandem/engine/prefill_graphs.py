@@ -132,6 +132,10 @@ class PrefillGraphs:
         self.slot_mapping[:n].zero_()
         self.model(batch, self.caches)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
         torch.cuda.synchronize()
+        # the eager passes' temporaries (this one's, the engine's warm-up's) stay cached in the general pool, which
+        # the graphs' private pool cannot draw from: at a step budget of 8192 that left 27 GiB unusable and the
+        # capture ran out of memory on an 80 GB card
+        torch.cuda.empty_cache()
         batch = self._static_batch(n)  # fresh derived entries (RoPE tables): computed inside the graphs
         steps, graphs, cores, outs, sent = self.model.steps(batch, self.caches), [], [], [], None
         stream = torch.cuda.Stream()

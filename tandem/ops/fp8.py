@@ -280,11 +280,14 @@ _CUBLAS_LAYOUT: dict[int, tuple[int, int] | None] = {}
 
 def _cublas_fits(x, w, block) -> bool:
     """cuBLAS reads the weight's scale grid with its K extent padded to a multiple of 4 blocks (the model's K of
-    2048 and 4096 need none; other shapes take the Triton kernel rather than a padded copy per call)."""
+    2048 and 4096 need none), and torch wants the activations' scales M-major with a leading dimension of exactly
+    M, which cuBLAS presumably needs 16-byte aligned (M a multiple of 4: on an H100 301 rows got
+    CUBLAS_STATUS_NOT_SUPPORTED in the one layout torch accepted). Other shapes take the Triton kernel rather than
+    a padded copy per call."""
     N, K = w.shape
     rows = x.numel() // K if K else 0
-    return (rows >= CUBLAS_MIN_ROWS and tuple(block) == (128, 128) and N % 128 == 0 and K % 512 == 0
-            and x.dtype in (torch.bfloat16, torch.float16))
+    return (rows >= CUBLAS_MIN_ROWS and rows % 4 == 0 and tuple(block) == (128, 128) and N % 128 == 0
+            and K % 512 == 0 and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def _recipes():
@@ -333,17 +336,17 @@ def _device_index(device: torch.device) -> int:
 
 
 def _probe_cublas(device: torch.device) -> tuple[int, int] | None:
-    """Each layout on a 301 x 512 by 256 x 512 problem (an odd row count; non-square scale grids, so a transposed
-    one shows; K of 4 blocks, which cuBLAS needs unpadded), against the Triton kernel, within 2^-8 of the
-    magnitudes |x| @ |w|."""
+    """Each layout on a 300 x 512 by 256 x 512 problem (rows not a multiple of the 128-row tile, but of the 4 that
+    cuBLAS needs, `_cublas_fits`; non-square scale grids, so a transposed one shows; K of 4 blocks, which cuBLAS
+    needs unpadded), against the Triton kernel, within 2^-8 of the magnitudes |x| @ |w|."""
     if _recipes() is None:
         log.info("FP8 prefill GEMMs: the Triton kernel (this torch has no block-scaled F.scaled_mm)")
         return None
     g = torch.Generator(device=device).manual_seed(0)
     # every scale block of a different magnitude, so a scale read from the wrong block shows
     groups = torch.arange(1, 5, device=device, dtype=torch.float32).repeat_interleave(128)  # [512]
-    rows = torch.linspace(0.5, 2.0, 301, device=device)[:, None]
-    x = (torch.randn(301, 512, device=device, generator=g) * groups * rows).to(torch.bfloat16)
+    rows = torch.linspace(0.5, 2.0, 300, device=device)[:, None]
+    x = (torch.randn(300, 512, device=device, generator=g) * groups * rows).to(torch.bfloat16)
     blocks = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 7.0, 11.0, 13.0]], device=device)  # [N/128, K/128]
     w_full = torch.randn(256, 512, device=device, generator=g) / 512**0.5
     w, s = quantize_block_fp8(w_full * blocks.repeat_interleave(128, 0).repeat_interleave(128, 1))
