@@ -22,9 +22,9 @@ Prefill-size GEMMs (more than 256 rows) are compute-bound, and there the Triton 
 cuBLAS GEMM. They take torch's block-scaled FP8 matmul instead (`F.scaled_mm` with 1x128 activation and 128x128
 weight scales: cuBLAS on Hopper) when it is there and reproduces the Triton kernel on this device: the first
 such GEMM on a device (never inside a CUDA-graph capture) probes the layouts torch may want the scales in, on a
-small problem, and keeps the first one whose result matches (`cublas_layout`); none: the Triton kernel. (Until
-`_probe_cublas` used K = 4 blocks, torch 2.11 refused every layout on an H100: cuBLAS wants the weight's scale grid
-padded to a multiple of 4 K blocks, so its K of 3 blocks was never going to pass.)
+small problem, and keeps the first one whose result matches (`cublas_layout`); none: the Triton kernel. On an
+H100 with torch 2.11 it takes 5.5 ms for a step's dense GEMMs at 2048 rows, the Triton kernel 8.7 and bf16 7.1.
+(The probe passes only with K a multiple of 4 blocks and rows a multiple of 4, the shapes `_cublas_fits` admits.)
 """
 
 from __future__ import annotations
