@@ -80,6 +80,8 @@ def oracle_err(out, x, q, s):
 
 
 def dense(rows, sweep, bw):
+    if not rows:
+        return
     print(f"\ndense W8A8 (blocks {BLOCK}); us per call; floor at {bw:.0f} GB/s; err = max |out - exact| / (|x| @ |w|)")
     print(f"{'gemm':<18} {'M':>5} {'fp8 us':>8} {'floor':>7} {'ratio':>6} {'err':>8} {'bf16 us':>8}  best of sweep")
     step_us = {m: [0.0, 0.0, 0.0] for m in rows}
@@ -133,6 +135,8 @@ def sweep_tiles(m, n):
 
 
 def experts(tokens, sweep, bw):
+    if not tokens:
+        return
     print(f"\nMoE experts E={E} (+ the shared expert) top-{TOP_K} H={H} I={I}; us per call (routing excluded)")
     print(f"{'T':>5} {'fp8 us':>8} {'floor':>7} {'ratio':>6} {'bf16 us':>8}  variants")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -195,16 +199,16 @@ def moe_touched(tokens):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="1,32,96,2048")
-    ap.add_argument("--tokens", default="1,32,96")
+    ap.add_argument("--rows", default="1,32,96,2048", help="dense GEMM rows ('' for none)")
+    ap.add_argument("--tokens", default="1,32,96", help="expert tokens ('' for none)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--bandwidth-gbs", type=float, default=4250.0)
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     logging.basicConfig(format="%(message)s")  # the cuBLAS probe says which path prefill GEMMs take, and why
     logging.getLogger(fp8.__name__).setLevel(logging.INFO)
-    dense([int(m) for m in a.rows.split(",")], a.sweep, a.bandwidth_gbs)
-    experts([int(t) for t in a.tokens.split(",")], a.sweep, a.bandwidth_gbs)
+    dense([int(m) for m in a.rows.split(",") if m], a.sweep, a.bandwidth_gbs)
+    experts([int(t) for t in a.tokens.split(",") if t], a.sweep, a.bandwidth_gbs)
 
 
 if __name__ == "__main__":
