@@ -88,6 +88,23 @@ def prepare_engine(engine) -> None:
     if engine.ecfg.device.startswith("cuda"):
         engine.warm_up()
         engine.capture_graphs()
+        name_late_kernel_variants()
+
+
+def name_late_kernel_variants() -> None:
+    """From now on, each Triton kernel variant this process loads for the first time (a compile of seconds, or a
+    read of Triton's cache) is logged with its specialisation: a served step waited for it, and the warm-up should
+    have reached it. The loop's "slow engine step" warning says that a step was slow; this says which kernel."""
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton (or one without knobs): nothing to name
+        return
+
+    def named(**kw):
+        log.warning("Triton loaded a kernel variant while serving (the warm-up missed it): %s, constants %s",
+                    kw.get("repr"), kw.get("compile", {}).get("constants"))
+
+    knobs.runtime.jit_post_compile_hook = named
 
 
 def model_config(model: str) -> ModelConfig:

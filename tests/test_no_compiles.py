@@ -60,17 +60,35 @@ def test_no_kernel_compiles_after_warm_up(name):
 
 
 # seed 6 of the 35B-A3B ends a prompt with a 5-8 row chunk on a long context (split-K in the 8-row decode tiling);
-# a prefill-only engine (a P/D prefill worker) has no decode graphs to warm its batch-size-dependent variants
-@pytest.mark.parametrize("name,seed,prefill_only,k", [
-    ("qwen3.5-35b-a3b", 0, False, 2), ("qwen3.5-35b-a3b", 6, False, 2), ("qwen3.5-35b-a3b", 0, True, 2),
-    ("qwen3.5-35b-a3b", 0, False, 0), ("qwen3.5-35b-a3b-fp8", 0, False, 2), ("tiny-moe", 0, False, 2),
-    ("tiny-dense", 0, False, 2)])
-def test_no_kernel_compiles_after_warm_up_for_sm90(name, seed, prefill_only, k, sm90_triton_cache):
+# a prefill-only engine (a P/D prefill worker) has no decode graphs to warm its batch-size-dependent variants; at a
+# budget of 1024 the FP8 preset's MTP passes reach prefill-size GEMMs of row counts cuBLAS does not take (on an
+# H100 the first such pass compiled for 2.4 s while serving, before the warm-up's 257-row prompt)
+@pytest.mark.parametrize("name,seed,prefill_only,k,budget", [
+    ("qwen3.5-35b-a3b", 0, False, 2, 256), ("qwen3.5-35b-a3b", 6, False, 2, 256), ("qwen3.5-35b-a3b", 0, True, 2, 256),
+    ("qwen3.5-35b-a3b", 0, False, 0, 256), ("qwen3.5-35b-a3b-fp8", 0, False, 2, 1024), ("tiny-moe", 0, False, 2, 256),
+    ("tiny-dense", 0, False, 2, 256)])
+def test_no_kernel_compiles_after_warm_up_for_sm90(name, seed, prefill_only, k, budget, sm90_triton_cache):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(sm90_triton_cache)
     script = Path(__file__).with_name("kernels_sm90.py")
     res = subprocess.run([sys.executable, str(script), "--workload", "--preset", name, "--seed", str(seed),
-                          "--k", str(k)] + (["--prefill-only"] if prefill_only else []),
+                          "--k", str(k), "--budget", str(budget)] + (["--prefill-only"] if prefill_only else []),
                          env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0 and "0 kernel variants compiled after the warm-up" in res.stdout, \
         res.stdout[-4000:] + res.stderr[-3000:]
+
+
+def test_workers_name_kernel_variants_loaded_while_serving(sm90_triton_cache):
+    """The hook a worker installs once warmed up names the next variant Triton loads, with its constants: here the
+    group quantiser, compiled for sm_90 (as `tests/kernels_sm90.py` does) after the hook is in place."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(sm90_triton_cache)
+    code = ("import logging, sys, torch; sys.argv[0] = 'kernels_sm90.py'; import kernels_sm90; logging.basicConfig(); "
+            "from tandem.ops import fp8; from tandem.worker_setup import name_late_kernel_variants; "
+            "kernels_sm90._compile_only_on_h200(); name_late_kernel_variants(); "
+            "fp8.quantize_activations_triton(torch.zeros(4, 384, dtype=torch.bfloat16), 128)")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    named = [line for line in res.stderr.splitlines() if "while serving" in line]
+    assert len(named) == 1 and "_quantize_groups_kernel" in named[0] and "384" in named[0], res.stderr[-3000:]

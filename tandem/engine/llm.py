@@ -23,7 +23,9 @@ from tandem.engine.spec import SpecStats, VerifyRow, draft
 from tandem.engine.sequence import Sequence, Status
 from tandem.model.loader import load_checkpoint
 from tandem.model.presets import PRESETS, preset_config, random_model
+from tandem.engine.prefill_graphs import MAX_GRAPH_TOKENS
 from tandem.ops.attention import DECODE_MAX_Q
+from tandem.ops.fp8 import DECODE_MAX_ROWS
 from tandem.parallel import SINGLE, LeaderModel, TPGroup, check_divisible, launch
 from tandem.tokenizer import load_tokenizer
 
@@ -157,11 +159,12 @@ class Engine:
         seconds for Triton to compile and autotune). The prompts reach every tiling the prefill cores pick:
         full-budget steps (and steps of every multiple of 2048 rows below the budget); 1, 2, 3 and 5 rows (the
         decode tilings of attention and the conv's row tiles); 48 rows (the widest row tile of the skinny
-        projections, `tandem/ops/linear.py`); the
-        fewest rows of attention's prefill tiling, one tile when its tiles are that tall; a short and a long
-        request together (GDN's recurrent and chunked kernels in one step); last chunks of 1, 2, 3, 5, 9 and 20
-        rows on a long context (split-K in every tiling); and 2, 4, 8 and 16 one-token prompts (what depends on the
-        number of requests, which a prefill worker's engine has no decode graphs to warm). Each request drafts.
+        projections, `tandem/ops/linear.py`); 257 rows, and budget - 1 past the prefill graphs (FP8 GEMMs that
+        cuBLAS does not take: more than 256 rows, not a multiple of 4); the fewest rows of attention's prefill
+        tiling, one tile when its tiles are that tall; a short and a long request together (GDN's recurrent and
+        chunked kernels in one step); last chunks of 1, 2, 3, 5, 9 and 20 rows on a long context (split-K in every
+        tiling); and 2, 4, 8 and 16 one-token prompts (what depends on the number of requests, which a prefill
+        worker's engine has no decode graphs to warm). Each request drafts.
         `tests/kernels_sm90.py --workload` checks on the CPU that serving compiles nothing after this. Everything
         is freed afterwards."""
         t0 = time.monotonic()
@@ -175,6 +178,12 @@ class Engine:
         batches = [_prompts(n, room) for n in [*range(2048, budget, 2048), budget]]
         if [min(budget, room)] not in batches:  # one prompt: what a step of few requests reaches
             batches.append([min(budget, room)])
+        # FP8 GEMMs of more than DECODE_MAX_ROWS rows whose count is not a multiple of 4 take the Triton kernel
+        # (cuBLAS the others, `fp8._cublas_fits`): the MTP head's pass over a prompt (eager, whatever its rows)
+        # and eager steps past the prefill graphs' largest bucket; the graphs pad to multiples of 4
+        batches.append([DECODE_MAX_ROWS + 1])
+        if budget > MAX_GRAPH_TOKENS:
+            batches.append(_prompts(budget - 1, room))
         batches += [[1], [2], [3], [5], [48], [short], [64, 96]]
         batches += [[1] * b for b in (2, 4, 8, 16)]  # steps of several requests: GDN's value blocks, MoE align chunks
         # the prompt of `room` rows ends with a chunk of `tail` rows: split-K on a long context in each decode tiling
