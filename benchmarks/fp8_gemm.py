@@ -6,7 +6,7 @@ bf16 GEMM of the same shape; with the error of each variant against the fp64 ora
 
 Variants: the dispatch's choice (`w8a8_linear`, `fused_experts`; from 257 rows torch's block-scaled matmul when
 this torch has it, and then the Triton kernel's time beside it) and, with --sweep: for the dense GEMMs, other
-tiles and K splits at decode sizes (with torch's block-scaled matmul beside them, when this torch has it), and
+tiles and K splits at decode and verify sizes (row tiles up to 128 at verify rows; with torch's block-scaled matmul beside them, when this torch has it), and
 prefill tiles with `group_dot`'s DOT 0 (e4m3 with Hopper's fast accumulation inside each 128-wide group, as
 DeepSeek's and vLLM's block-FP8 GEMMs; the dispatch's at prefill sizes) and 1 (promoted to fp32 every K = 32;
 the dispatch's at decode sizes); for the experts DOT 0, 1 and 2 (bf16 upcast), and their tiles at decode and
@@ -37,7 +37,7 @@ L2_BYTES = 50e6
 DENSE = [("gdn in_proj_qkvz", 12288, 2048, 30), ("gdn out_proj", 2048, 4096, 30),
          ("attn qkv", 9216, 2048, 11), ("attn o_proj", 2048, 4096, 11)]
 E, H, I, TOP_K = 256, 2048, 512, 8
-SWEEP = ("gdn in_proj_qkvz", "gdn out_proj")  # --sweep: these shapes, rows <= 32 or > 256
+SWEEP = ("gdn in_proj_qkvz", "gdn out_proj")  # --sweep: these shapes
 
 
 def graph_time_us(fns, reps: int = 20) -> float:
@@ -100,7 +100,7 @@ def dense(rows, sweep, bw):
             t = graph_time_us([lambda i=i: fp8.w8a8_linear(x, qs[i], ss[i], BLOCK) for i in range(r)])
             tb = graph_time_us([lambda i=i: torch.nn.functional.linear(x, wb[i]) for i in range(len(wb))])
             best = ""
-            if sweep and (m <= 32 or m > 256) and name in SWEEP:
+            if sweep and name in SWEEP:
                 results = []
                 for tiles in sweep_tiles(m, N):
                     for dot in (0, 1) if m > 256 else (1,):
@@ -130,7 +130,8 @@ def dense(rows, sweep, bw):
 def sweep_tiles(m, n):
     if m > 256:  # prefill: (BLOCK_M, BLOCK_N, no split, warps, stages)
         return [(128, 128, 1, 8, 3), (64, 128, 1, 4, 3), (128, 64, 1, 4, 4), (64, 64, 1, 4, 4), (128, 256, 1, 8, 3)]
-    bms = [16] if m <= 16 else [32, 64]
+    # verify rows (33-256): one row tile of 128 reads each weight tile once, where two of 64 read it twice
+    bms = [16] if m <= 16 else [32, 64] if m <= 32 else [64, 128]
     return [(bm, bn, split, 4, 4) for bm in bms for bn in (32, 64, 128) for split in (1, 2, 4, 8)]
 
 
