@@ -6,7 +6,8 @@ bf16 GEMM of the same shape; with the error of each variant against the fp64 ora
 
 Variants: the dispatch's choice (`w8a8_linear`, `fused_experts`; from 257 rows torch's block-scaled matmul when
 this torch has it, and then the Triton kernel's time beside it) and, with --sweep: for the dense GEMMs, other
-tiles and K splits at decode and verify sizes (row tiles up to 128 at verify rows; with torch's block-scaled matmul beside them, when this torch has it), and
+tiles and K splits at decode and verify sizes (row tiles up to 128 at verify rows; torch's block-scaled matmul
+beside them at decode rows, when this torch has it), and
 prefill tiles with `group_dot`'s DOT 0 (e4m3 with Hopper's fast accumulation inside each 128-wide group, as
 DeepSeek's and vLLM's block-FP8 GEMMs; the dispatch's at prefill sizes) and 1 (promoted to fp32 every K = 32;
 the dispatch's at decode sizes); for the experts DOT 0, 1 and 2 (bf16 upcast), and their tiles at decode and
