@@ -16,6 +16,7 @@ from tandem.cache.pools import CachePools
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.runner import ModelRunner
 from tandem.engine.graphs import DecodeGraphs
+from tandem.engine.prefill_graphs import MAX_GRAPH_TOKENS
 from tandem.engine.sampler import draw_noise, sample, top_logprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
@@ -23,7 +24,6 @@ from tandem.engine.spec import SpecStats, VerifyRow, draft
 from tandem.engine.sequence import Sequence, Status
 from tandem.model.loader import load_checkpoint
 from tandem.model.presets import PRESETS, preset_config, random_model
-from tandem.engine.prefill_graphs import MAX_GRAPH_TOKENS
 from tandem.ops.attention import DECODE_MAX_Q
 from tandem.ops.fp8 import DECODE_MAX_ROWS
 from tandem.parallel import SINGLE, LeaderModel, TPGroup, check_divisible, launch
