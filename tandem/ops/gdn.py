@@ -251,6 +251,43 @@ if HAS_TRITON:
         gb = gb.to(b_ptr.dtype.element_ty).to(tl.float32)  # beta in b's dtype, as the reference keeps it
         return tl.where(live, ga, 0.0), tl.where(live, gb, 0.0)
 
+    @triton.jit
+    def _request(qsl_ptr, slots_ptr, replay_ptr, pend_ptr, p_ptr, p_ss, i):
+        """Request i's first row and row count, its state slot, its replayed rows and the pending buffer they are
+        in, and the buffer its own rows are kept in (-1: they are committed)."""
+        start = tl.load(qsl_ptr + i).to(tl.int64)
+        n = tl.load(qsl_ptr + i + 1).to(tl.int64) - start
+        kept_in = p_ptr + tl.load(pend_ptr + 2 * i).to(tl.int64) * p_ss
+        return (start, n, tl.load(slots_ptr + i).to(tl.int64), tl.load(replay_ptr + i), kept_in,
+                tl.load(pend_ptr + 2 * i + 1).to(tl.int64))
+
+    @triton.jit
+    def _state_tile(state_ptr, slot, h, vb, s_ss, s_sh, s_sk, DK: tl.constexpr, DV: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr):
+        """The key and value offsets of a program's [BK, BV] tile of the state, their masks, the tile's pointers
+        in the slot and its mask."""
+        offs_k = tl.arange(0, BK)
+        offs_v = vb * BV + tl.arange(0, BV)
+        mk = offs_k < DK
+        mv = offs_v < DV
+        s_tile = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :]
+        return offs_k, offs_v, mk, mv, s_tile, mk[:, None] & mv[None, :]
+
+    @triton.jit
+    def _keep_rows(dst, k_raw, v_raw, a_ptr, b_ptr, rows, a_st, b_st, live, h, kh, vb, offs_k, offs_v, mk, mv,
+                   NK: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+        """The request's live rows (k and v as they came, a, b) into its keep buffer's rows `dst`, one program per
+        part: k by head REP * kh's first dv block, v by its own block, a and b by block 0."""
+        NV: tl.constexpr = NK * REP
+        A_OFF: tl.constexpr = NK * DK + NV * DV  # a's column in a kept row, then b's
+        p_dt = dst.dtype.element_ty
+        if vb == 0:
+            if h % REP == 0:
+                tl.store(dst[:, None] + (kh * DK + offs_k)[None, :], k_raw.to(p_dt), mask=live[:, None] & mk[None, :])
+            tl.store(dst + A_OFF + h, tl.load(a_ptr + rows * a_st + h, mask=live), mask=live)
+            tl.store(dst + A_OFF + NV + h, tl.load(b_ptr + rows * b_st + h, mask=live), mask=live)
+        tl.store(dst[:, None] + (NK * DK + h * DV + offs_v)[None, :], v_raw.to(p_dt), mask=live[:, None] & mv[None, :])
+
     @triton.jit(do_not_specialize=["max_rows", "p_ss"])
     def _gdn_recurrent_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr, p_ptr, qsl_ptr, slots_ptr,
@@ -269,26 +306,15 @@ if HAS_TRITON:
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
-        start = tl.load(qsl_ptr + i).to(tl.int64)
-        n = tl.load(qsl_ptr + i + 1).to(tl.int64) - start
+        start, n, slot, n_replay, kept_in, keep_out = _request(qsl_ptr, slots_ptr, replay_ptr, pend_ptr, p_ptr, p_ss, i)
         if n > max_rows:  # fla's
             return
-        slot = tl.load(slots_ptr + i).to(tl.int64)
-        n_replay = tl.load(replay_ptr + i)
-        kept_in = p_ptr + tl.load(pend_ptr + 2 * i).to(tl.int64) * p_ss
-        keep_out = tl.load(pend_ptr + 2 * i + 1).to(tl.int64)
         NV: tl.constexpr = NK * REP
         A_OFF: tl.constexpr = NK * DK + NV * DV  # a's column in a kept row, then b's
         kh = h // REP
         a_log = tl.load(a_log_ptr + h).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        offs_k = tl.arange(0, BK)
-        offs_v = vb * BV + tl.arange(0, BV)
-        mk = offs_k < DK
-        mv = offs_v < DV
-        tile = offs_k[:, None] * s_sk + offs_v[None, :]
-        mtile = mk[:, None] & mv[None, :]
-        s_tile = state_ptr + slot * s_ss + h * s_sh + tile
+        offs_k, offs_v, mk, mv, s_tile, mtile = _state_tile(state_ptr, slot, h, vb, s_ss, s_sh, s_sk, DK, DV, BK, BV)
         r = tl.arange(0, WP)
         rows = start + r
         live = (r < n) & (r < W)
@@ -308,16 +334,8 @@ if HAS_TRITON:
                 s = _delta_update(s, _row(kp, r, j), _row(vp, r, j), _at(gp, r, j), _at(bp, r, j))
         if keep_out >= 0:  # speculative rows: the state before them is stored, they are kept for the replay
             tl.store(s_tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
-            dst = p_ptr + keep_out * p_ss + r * p_sr
-            p_dt = p_ptr.dtype.element_ty
-            if vb == 0:
-                if h % REP == 0:
-                    tl.store(dst[:, None] + (kh * DK + offs_k)[None, :], k_raw.to(p_dt),
-                             mask=live[:, None] & mk[None, :])
-                tl.store(dst + A_OFF + h, tl.load(a_ptr + rows * a_st + h, mask=live), mask=live)
-                tl.store(dst + A_OFF + NV + h, tl.load(b_ptr + rows * b_st + h, mask=live), mask=live)
-            tl.store(dst[:, None] + (NK * DK + h * DV + offs_v)[None, :], v_raw.to(p_dt),
-                     mask=live[:, None] & mv[None, :])
+            _keep_rows(p_ptr + keep_out * p_ss + r * p_sr, k_raw, v_raw, a_ptr, b_ptr, rows, a_st, b_st, live, h, kh,
+                       vb, offs_k, offs_v, mk, mv, NK, REP, DK, DV)
         for j in tl.static_range(W):
             s = _delta_update(s, _row(kw, r, j), _row(v_raw, r, j), _at(gw, r, j), _at(bw, r, j))
             ov = tl.sum(s * _row(qw, r, j)[:, None], axis=0)
@@ -388,26 +406,15 @@ if HAS_TRITON:
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
-        start = tl.load(qsl_ptr + i).to(tl.int64)
-        n = tl.load(qsl_ptr + i + 1).to(tl.int64) - start
+        start, n, slot, n_replay, kept_in, keep_out = _request(qsl_ptr, slots_ptr, replay_ptr, pend_ptr, p_ptr, p_ss, i)
         if n > max_rows:  # fla's
             return
-        slot = tl.load(slots_ptr + i).to(tl.int64)
-        n_replay = tl.load(replay_ptr + i)
-        kept_in = p_ptr + tl.load(pend_ptr + 2 * i).to(tl.int64) * p_ss
-        keep_out = tl.load(pend_ptr + 2 * i + 1).to(tl.int64)
         NV: tl.constexpr = NK * REP
         A_OFF: tl.constexpr = NK * DK + NV * DV
         kh = h // REP
         a_log = tl.load(a_log_ptr + h).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        offs_k = tl.arange(0, BK)
-        offs_v = vb * BV + tl.arange(0, BV)
-        mk = offs_k < DK
-        mv = offs_v < DV
-        tile = offs_k[:, None] * s_sk + offs_v[None, :]
-        mtile = mk[:, None] & mv[None, :]
-        s_tile = state_ptr + slot * s_ss + h * s_sh + tile
+        offs_k, offs_v, mk, mv, s_tile, mtile = _state_tile(state_ptr, slot, h, vb, s_ss, s_sh, s_sk, DK, DV, BK, BV)
         c = tl.arange(0, CH)
         replayed = (c < n_replay) & (c < W)
         kp = _l2_normalize(_rows(kept_in, c, p_sr, kh * DK, offs_k, replayed, mk), eps)
@@ -422,17 +429,9 @@ if HAS_TRITON:
             tl.store(s_tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
             kept = (c < n) & (c < W)
             rows = start + c
-            dst = p_ptr + keep_out * p_ss + c * p_sr
-            p_dt = p_ptr.dtype.element_ty
-            if vb == 0:
-                if h % REP == 0:
-                    tl.store(dst[:, None] + (kh * DK + offs_k)[None, :],
-                             _rows(k_ptr, rows, k_st, kh * k_sh, offs_k, kept, mk).to(p_dt),
-                             mask=kept[:, None] & mk[None, :])
-                tl.store(dst + A_OFF + h, tl.load(a_ptr + rows * a_st + h, mask=kept), mask=kept)
-                tl.store(dst + A_OFF + NV + h, tl.load(b_ptr + rows * b_st + h, mask=kept), mask=kept)
-            tl.store(dst[:, None] + (NK * DK + h * DV + offs_v)[None, :],
-                     _rows(v_ptr, rows, v_st, h * v_sh, offs_v, kept, mv).to(p_dt), mask=kept[:, None] & mv[None, :])
+            _keep_rows(p_ptr + keep_out * p_ss + c * p_sr, _rows(k_ptr, rows, k_st, kh * k_sh, offs_k, kept, mk),
+                       _rows(v_ptr, rows, v_st, h * v_sh, offs_v, kept, mv), a_ptr, b_ptr, rows, a_st, b_st, kept,
+                       h, kh, vb, offs_k, offs_v, mk, mv, NK, REP, DK, DV)
         c0 = n * 0
         while c0 < n:
             rows = start + c0 + c
