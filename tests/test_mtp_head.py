@@ -109,3 +109,18 @@ def test_engine_drafts_match_reference():
             hiddens.append(ref[-1])
             next_ids.append(want[-1])
     assert seq.drafts == want
+
+
+def test_draft_tokens_are_the_argmax_of_the_fp32_logits():
+    """Drafting takes the argmax on the lm_head's bf16 output, without the fp32 copy: the same token as the fp32
+    logits' argmax, ties included (two vocabulary rows made equal: both take the first)."""
+    cfg = preset_config("tiny-moe")
+    model = random_model(cfg, "cpu", torch.bfloat16, seed=3)
+    hidden = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    want = model.compute_logits(hidden).argmax(-1)
+    after, before = (int(want[0]) + 1) % cfg.vocab_size, int(want[1]) - 1
+    model.lm_head_weight.data[after] = model.lm_head_weight.data[want[0]]  # a tie after the winner...
+    model.lm_head_weight.data[before] = model.lm_head_weight.data[want[1]]  # ...and one before it
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32 and logits[0, want[0]] == logits[0, after]
+    assert torch.equal(model.draft_tokens(hidden), logits.argmax(-1))

@@ -203,7 +203,7 @@ class DecodeGraphs:
         out = model.mtp(model.model.embed_tokens(ids), hidden, batch, model.inv_freq, self.pools.mtp_cache)
         pick = self.query_start_loc[:B] + accepted  # each request's last accepted row
         last = out[pick]
-        tok = model.compute_logits(last).argmax(-1)
+        tok = model.draft_tokens(last)
         drafts = [tok]
         pos0, tables, reqs = batch.positions[pick], batch.block_tables, self.rows[:B]
         one_row = self.rows[: B + 1]  # one row per request
@@ -216,6 +216,6 @@ class DecodeGraphs:
                 query_start_loc_cpu=list(range(B + 1)),
                 seq_lens_cpu=None if self.capture else (pos + 1).tolist())
             last = model.mtp(model.model.embed_tokens(tok), last, rec, model.inv_freq, self.pools.mtp_cache)
-            tok = model.compute_logits(last).argmax(-1)
+            tok = model.draft_tokens(last)
             drafts.append(tok)
         return torch.cat([sampled, accepted[:, None], torch.stack(drafts, 1)], 1)

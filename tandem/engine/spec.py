@@ -75,7 +75,7 @@ def draft(model, runner, pools, items, hidden_rows: torch.Tensor, drafting: list
     if not which:
         return [[] for _ in items]
     last = out[batch.logits_indices[which]]
-    tokens = [model.compute_logits(last).argmax(-1)]
+    tokens = [model.draft_tokens(last)]
     seqs = [items[i][0] for i in which]
     next_pos = [items[i][1] + len(items[i][2]) for i in which]
     for step in range(1, k):
@@ -83,7 +83,7 @@ def draft(model, runner, pools, items, hidden_rows: torch.Tensor, drafting: list
         # once for all of them (the batch's own token ids, placeholders here, are not read)
         rec = runner.rows_batch([(seq, pos + step - 1, [0]) for seq, pos in zip(seqs, next_pos)])
         last = model.mtp(model.model.embed_tokens(tokens[-1]), last, rec, model.inv_freq, pools.mtp_cache)
-        tokens.append(model.compute_logits(last).argmax(-1))
+        tokens.append(model.draft_tokens(last))
     drafts = torch.stack(tokens, 1).tolist()
     out_drafts = [[] for _ in items]
     for i, d in zip(which, drafts):
