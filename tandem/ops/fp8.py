@@ -281,9 +281,9 @@ _CUBLAS_LAYOUT: dict[int, tuple[int, int] | None] = {}
 def _cublas_fits(x, w, block) -> bool:
     """cuBLAS reads the weight's scale grid with its K extent padded to a multiple of 4 blocks (the model's K of
     2048 and 4096 need none), and torch wants the activations' scales M-major with a leading dimension of exactly
-    M, which cuBLAS presumably needs 16-byte aligned (M a multiple of 4: on an H100 301 rows got
-    CUBLAS_STATUS_NOT_SUPPORTED in the one layout torch accepted). Other shapes take the Triton kernel rather than
-    a padded copy per call."""
+    M, which cuBLAS needs 16-byte aligned (M a multiple of 4: on an H100 a probe of 301 rows got
+    CUBLAS_STATUS_NOT_SUPPORTED in the one layout torch accepted, one of 300 rows passes). Other shapes take the
+    Triton kernel rather than a padded copy per call; the engine's warm-up reaches both."""
     N, K = w.shape
     rows = x.numel() // K if K else 0
     return (rows >= CUBLAS_MIN_ROWS and rows % 4 == 0 and tuple(block) == (128, 128) and N % 128 == 0
