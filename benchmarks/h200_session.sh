@@ -82,7 +82,7 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
             timeout=10).read().decode())" "$url"; done > "$OUT/$name.metrics.txt" 2>&1
         grep -E "^tandem:engine_step_seconds_(bucket|count).*mixed" "$OUT/$name.metrics.txt" | grep -v 'le="0.0' \
             | sed "s/^/[$name] /" | head -30
-        grep -E "slow engine step|FP8 prefill GEMMs" "$OUT/$name.serve.log" | head -10 | sed "s/^/[$name] /"
+        grep -E "slow engine step|FP8 prefill GEMMs|kernel variant while serving" "$OUT/$name.serve.log" | head -10 | sed "s/^/[$name] /"
         if [ -n "$spy_pid" ]; then  # the samples' summary: where the engine thread's time went, who held the GIL
             wait "$spy_pid"
             [ -s "$OUT/$name.spy-idle.txt" ] && python3 benchmarks/spy_report.py "$OUT/$name.spy-idle.txt" \
