@@ -6,8 +6,7 @@ dispatch could take instead of its default, so a default can be chosen from figu
     python3 benchmarks/prefill_ops.py [--sweep] [--rows recurrent,align]
 
 Rows: `conv` (causal_conv1d, q|k|v parts), `gated norm` (GDN output norm, gate read in place), `recurrent` (the
-delta rule at decode and verify sizes, in a CUDA graph as a step runs it: B requests of 1 or 3 rows; the row-by-row
-kernel, and the chunked form with its dots in tf32x3 and tf32), `align` (kernel and
+delta rule at decode and verify sizes, in a CUDA graph as a step runs it: B requests of 1 or 3 rows), `align` (kernel and
 torch reference; host time per call too: at prefill the engine is host-bound), `experts` (fused_experts in bf16,
 eager and in a CUDA graph; floor = the routed experts' weight bytes, or the FLOPs at prefill), `attention`
 (paged_attention over 8 causal prompts of 2048 tokens, head_dim 256, GQA 16:2).
@@ -137,15 +136,11 @@ def recurrent_rows(rep: Report, sweep: bool):
         # the state read and written; q, k, v read; kept rows written and replayed rows read
         nbytes = (2 * B * NV * DK * DV * 4 + T * (2 * NK * DK + NV * DV) * 2
                   + (rows > 1) * B * (rows + replay) * width * 2)
-        configs = [(None, None, None)] + [(None, None, prec) for prec in ("tf32x3", "tf32")]
-        if sweep:  # the row-by-row kernel's tilings, then the chunked form's (its dots need block_v >= 16)
-            configs += [(bv, w, None) for bv in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
-            configs += [(bv, w, "tf32x3") for bv in (16, 32, 64) for w in (4, 8)]
-        for block_v, warps, chunked in configs:
+        configs = [(None, None)] + ([(bv, w) for bv in (16, 32, 64, 128) for w in (1, 2, 4, 8)] if sweep else [])
+        for block_v, warps in configs:
             us = graph_us(lambda: gdn.gated_delta_rule_triton(q, k, v, gates, state, pending, batch,
-                                                              block_v=block_v, num_warps=warps, chunked=chunked))
-            rep.row(f"recurrent B={B} rows={rows} block_v={block_v or 'auto'} warps={warps or 'auto'}"
-                    + (f" chunked {chunked}" if chunked else ""), us, nbytes)
+                                                              block_v=block_v, num_warps=warps))
+            rep.row(f"recurrent B={B} rows={rows} block_v={block_v or 'auto'} warps={warps or 'auto'}", us, nbytes)
 
 
 def align_rows(rep: Report, sweep: bool):  # no tilings to sweep

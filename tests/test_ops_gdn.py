@@ -3,8 +3,6 @@ and pending buffer, untouched ones unchanged, every output element written; and 
 rows replayed later give what committing them would have). CPU: the Triton kernels under the interpreter at small
 sizes; GPU: the dispatch at Qwen3.5 sizes (fla's chunked prefill when fla is importable)."""
 
-import functools
-
 import pytest
 import torch
 
@@ -162,27 +160,18 @@ def run_conv(fn, W, lens, C, K, dtype, device, tol, seed, splits=None, fills_out
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter cases run where there is no GPU")
 
 
-# the row-by-row kernel, and the chunked form (the interpreter computes its dots in fp32 whatever the precision)
-RECURRENT = [None, "tf32x3"]
-
-
 @cpu_only
-@pytest.mark.parametrize("chunked", RECURRENT)
 @pytest.mark.parametrize("W", [1, 3])
-def test_gdn_recurrent_kernel_cpu_interpreter(W, chunked):
-    # nv=4 over nk=2 key heads; block_v=8 splits dv=16 into two blocks; the 37 and 19 rows make several chunks
-    run_gdn(gdn.gated_delta_rule_triton, W, LENS[W], 2, 4, 16, 16, torch.float32, "cpu", FP32, seed=W, block_v=8,
-            chunked=chunked)
+def test_gdn_recurrent_kernel_cpu_interpreter(W):
+    # nv=4 over nk=2 key heads; block_v=8 splits dv=16 into two blocks
+    run_gdn(gdn.gated_delta_rule_triton, W, LENS[W], 2, 4, 16, 16, torch.float32, "cpu", FP32, seed=W, block_v=8)
 
 
 @cpu_only
-@pytest.mark.parametrize("chunked", RECURRENT)
-def test_gdn_recurrent_kernel_cpu_interpreter_bf16_and_skip(chunked):
+def test_gdn_recurrent_kernel_cpu_interpreter_bf16_and_skip():
     # bf16 inputs (the interpreter truncates on bf16 casts: bf16 bounds hold); decode + verify only
-    run_gdn(gdn.gated_delta_rule_triton, 3, [1, 3, 3, 2], 1, 4, 16, 16, torch.bfloat16, "cpu", BF16, seed=5,
-            chunked=chunked)
-    run_gdn(gdn.gated_delta_rule_triton, 1, [1, 1, 1], 2, 4, 16, 16, torch.float32, "cpu", FP32, seed=7,
-            chunked=chunked)  # decode
+    run_gdn(gdn.gated_delta_rule_triton, 3, [1, 3, 3, 2], 1, 4, 16, 16, torch.bfloat16, "cpu", BF16, seed=5)
+    run_gdn(gdn.gated_delta_rule_triton, 1, [1, 1, 1], 2, 4, 16, 16, torch.float32, "cpu", FP32, seed=7)  # decode
     # max_rows skips the longer requests (fla's share on the GPU): their rows, slots and buffers stay untouched
     g = torch.Generator().manual_seed(6)
     lens, W = [1, 9, 3], 3
@@ -192,7 +181,7 @@ def test_gdn_recurrent_kernel_cpu_interpreter_bf16_and_skip(chunked):
     ref_state, got_state, ref_pend, got_pend = state.clone(), state.clone(), pending.clone(), pending.clone()
     ref = reference(q, k, v, gates, ref_state, ref_pend, batch)
     out = torch.full(v.shape, float("nan"))
-    gdn.gated_delta_rule_triton(q, k, v, gates, got_state, got_pend, batch, out=out, max_rows=3, chunked=chunked)
+    gdn.gated_delta_rule_triton(q, k, v, gates, got_state, got_pend, batch, out=out, max_rows=3)
     assert out[1:10].isnan().all() and not out[:1].isnan().any() and not out[10:].isnan().any()
     check_close(out[10:], ref[10:], FP32)
     ref_state[batch.state_slots[1]] = state[batch.state_slots[1]]  # the skipped request's slot: as it was
@@ -254,7 +243,7 @@ def test_dispatch_cpu_takes_reference():
     assert torch.equal(state, s2) and torch.equal(pending, p2)
 
 
-@pytest.mark.parametrize("kernel", [False, True, "chunked"])
+@pytest.mark.parametrize("kernel", [False, True])
 def test_kept_rows_replayed_equal_rows_committed(kernel):
     """The pending rows' contract, against plain committed steps: a verify step that keeps its W rows outputs
     what committing them would, and a next step that replays r of them (then runs rows of its own) ends where
@@ -265,8 +254,7 @@ def test_kept_rows_replayed_equal_rows_committed(kernel):
     g = torch.Generator().manual_seed(33)
     nk, nv, dk, dv, C, K, W = 1, 2, 8, 8, 2 * 8 + 16, 4, 3
     conv = gdn.causal_conv1d_triton if kernel else gdn._causal_conv1d_torch
-    rule = (gdn._gated_delta_rule_torch if not kernel else gdn.gated_delta_rule_triton if kernel is True
-            else functools.partial(gdn.gated_delta_rule_triton, chunked="tf32x3"))
+    rule = gdn.gated_delta_rule_triton if kernel else gdn._gated_delta_rule_torch
     slots, replay = [1, 2], [2, 1]  # rows accepted: the last token's row and 1 draft; the last token's row only
     width = gdn.pending_width(C, nk, dk, nv, dv)
 
@@ -333,10 +321,6 @@ def test_gdn_gpu_decode_verify(W, dtype):
     run_gdn(_dispatch_gdn, W, GPU_LENS[W], **QWEN, dtype=dtype, device="cuda", tol=tol, seed=40 + W)
     # the kernel itself writes every element (the dispatch allocates with empty)
     run_gdn(gdn.gated_delta_rule_triton, W, GPU_LENS[W], **QWEN, dtype=dtype, device="cuda", tol=tol, seed=50 + W)
-    # the chunked form, its dots in tf32x3 (fp32-accurate), at both of its tilings' widths
-    for block_v in (32, 64):
-        run_gdn(gdn.gated_delta_rule_triton, W, GPU_LENS[W], **QWEN, dtype=dtype, device="cuda", tol=tol,
-                seed=70 + W, chunked="tf32x3", block_v=block_v)
 
 
 @pytest.mark.gpu

@@ -28,10 +28,8 @@ tensors take the GPU paths:
   prefill chunks) run `gated_delta_rule_triton`, the recurrent kernel (state of one (request, value head, dv block)
   in registers, replayed rows then the request's rows in sequence). Longer requests -- prefill chunks, which
   neither replay nor keep rows -- run fla-core's chunked kernel when fla is importable (else the recurrent kernel
-  too). `gated_delta_rule_triton(chunked=...)` runs the same contract in the chunked form instead
-  (`_gdn_chunk_kernel`: the replayed rows, then chunks of 16 rows, each a few tensor-core dots and a small
-  triangular solve, where the row-by-row kernel makes every row a dependent pass over the state tile). The
-  dispatch does not take it yet: it has not been timed on a GPU (`benchmarks/prefill_ops.py --rows recurrent`).
+  too). A chunked form of the recurrent kernel (16-row chunks as tensor-core dots) was tried and measured 6x
+  slower at verify rows on an H100 (docs/BENCHMARKS.md, tenth session): a verify request's few rows are too few.
 
 Launches use only device metadata (query_start_loc, state_slots, state_replay, state_pending) inside the kernels;
 the host lists in the batch choose grid sizes and loop bounds (no host synchronisation, capturable in a CUDA graph
@@ -61,7 +59,6 @@ FLA_CHUNK = 64  # fla's chunk length (its default); the chunk indices we pass ar
 
 # Requests with more rows than this go to fla's chunked kernel (when present); it must be >= W (= k+1).
 FLA_MIN_ROWS = 64
-CHUNK_ROWS = 16  # the chunked recurrent kernel's rows per chunk: tl.dot's least
 
 
 def pending_width(conv_dim: int, nk: int, dk: int, nv: int, dv: int) -> int:
@@ -356,99 +353,6 @@ if HAS_TRITON:
         if keep_out < 0:
             tl.store(s_tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
 
-    # ---- the chunked form of the same recurrence: a chunk of CH rows against its starting state s in a few dots.
-    # With A_j = exp(g_0 + ... + g_j) (`gcum` its log), the rows' updates u_j = beta_j (v_j - a_j S_{j-1}^T k_j)
-    # solve (I + L) U = beta (V - A (K S)), L_ji = beta_j (A_j / A_i) k_j.k_i for i < j, by forward substitution
-    # over [CH, BV] rows; then S' = A_last S + sum_i (A_last / A_i) k_i u_i^T and o_j = A_j S^T q_j +
-    # sum_{i <= j} (A_j / A_i) (q_j.k_i) u_i. Rows past a request's end have k = v = g = beta = 0: u = 0.
-
-    @triton.jit
-    def _chunk_updates(s, kc, vc, gc, bc, c, STEPS: tl.constexpr, PREC: tl.constexpr):
-        """(U [CH, BV], gcum [CH]) of a chunk's rows (its first STEPS may be live) against its starting state."""
-        gcum = tl.cumsum(gc, axis=0)
-        ks = tl.dot(kc, s, input_precision=PREC)
-        kk = tl.dot(kc, tl.trans(kc), input_precision=PREC)
-        lower = c[:, None] > c[None, :]
-        ell = tl.where(lower, bc[:, None] * tl.exp(tl.where(lower, gcum[:, None] - gcum[None, :], 0.0)) * kk, 0.0)
-        u = bc[:, None] * (vc - tl.exp(gcum)[:, None] * ks)
-        for j in tl.static_range(1, STEPS):  # row j takes the rows before it, already solved
-            u = tl.where((c == j)[:, None], u - tl.sum(_row(ell, c, j)[:, None] * u, axis=0)[None, :], u)
-        return u, gcum
-
-    @triton.jit
-    def _chunk_state(s, kc, gc, u, gcum, PREC: tl.constexpr):
-        """The state after the chunk's rows."""
-        g_all = tl.sum(gc, axis=0)
-        w = kc * tl.exp(g_all - gcum)[:, None]
-        return s * tl.exp(g_all) + tl.dot(tl.trans(w), u, input_precision=PREC)
-
-    @triton.jit
-    def _chunk_outputs(s, qc, kc, u, gcum, c, PREC: tl.constexpr):
-        """o [CH, BV] of the chunk's rows, s its starting state."""
-        upto = c[:, None] >= c[None, :]
-        qk = tl.dot(qc, tl.trans(kc), input_precision=PREC)
-        p = tl.where(upto, tl.exp(tl.where(upto, gcum[:, None] - gcum[None, :], 0.0)) * qk, 0.0)
-        return tl.exp(gcum)[:, None] * tl.dot(qc, s, input_precision=PREC) + tl.dot(p, u, input_precision=PREC)
-
-    @triton.jit(do_not_specialize=["max_rows", "p_ss"])
-    def _gdn_chunk_kernel(
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr, p_ptr, qsl_ptr, slots_ptr,
-        replay_ptr, pend_ptr,
-        q_st, q_sh, k_st, k_sh, v_st, v_sh, a_st, b_st, o_st, o_sh, s_ss, s_sh, s_sk, p_ss, p_sr,
-        max_rows, scale, eps,
-        NK: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-        BV: tl.constexpr, W: tl.constexpr, CH: tl.constexpr, STEPS: tl.constexpr, PREC: tl.constexpr,
-    ):
-        """`_gdn_recurrent_kernel`'s contract (grid, skipped requests, replayed and kept rows) in the chunked form:
-        the replayed rows as one chunk, then the request's rows in chunks of CH (>= W, a power of two >= 16, what
-        tl.dot takes), STEPS of each solved (W when no request of the launch has more rows, else CH). The dots
-        take PREC ("tf32x3": fp32-accurate on tensor cores; "ieee")."""
-        i = tl.program_id(0)
-        h = tl.program_id(1)
-        vb = tl.program_id(2)
-        start, n, slot, n_replay, kept_in, keep_out = _request(qsl_ptr, slots_ptr, replay_ptr, pend_ptr, p_ptr, p_ss, i)
-        if n > max_rows:  # fla's
-            return
-        NV: tl.constexpr = NK * REP
-        A_OFF: tl.constexpr = NK * DK + NV * DV
-        kh = h // REP
-        a_log = tl.load(a_log_ptr + h).to(tl.float32)
-        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        offs_k, offs_v, mk, mv, s_tile, mtile = _state_tile(state_ptr, slot, h, vb, s_ss, s_sh, s_sk, DK, DV, BK, BV)
-        c = tl.arange(0, CH)
-        replayed = (c < n_replay) & (c < W)
-        kp = _l2_normalize(_rows(kept_in, c, p_sr, kh * DK, offs_k, replayed, mk), eps)
-        vp = _rows(kept_in, c, p_sr, NK * DK + h * DV, offs_v, replayed, mv)
-        gp, bp = _row_gates(kept_in + A_OFF, kept_in + A_OFF + NV, c, p_sr, p_sr, h, a_log, dt_bias, replayed)
-        s = tl.load(s_tile, mask=mtile, other=0.0).to(tl.float32)  # [BK, BV]
-        tl.debug_barrier()  # every thread has read the slot before any overwrites it
-        if n_replay > 0:  # the accepted rows of the request's previous step
-            u, gcum = _chunk_updates(s, kp, vp, gp, bp, c, W, PREC)
-            s = _chunk_state(s, kp, gp, u, gcum, PREC)
-        if keep_out >= 0:  # speculative rows: the state before them is stored, they are kept for the replay
-            tl.store(s_tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
-            kept = (c < n) & (c < W)
-            rows = start + c
-            _keep_rows(p_ptr + keep_out * p_ss + c * p_sr, _rows(k_ptr, rows, k_st, kh * k_sh, offs_k, kept, mk),
-                       _rows(v_ptr, rows, v_st, h * v_sh, offs_v, kept, mv), a_ptr, b_ptr, rows, a_st, b_st, kept,
-                       h, kh, vb, offs_k, offs_v, mk, mv, NK, REP, DK, DV)
-        c0 = n * 0
-        while c0 < n:
-            rows = start + c0 + c
-            live = c0 + c < n
-            kc = _l2_normalize(_rows(k_ptr, rows, k_st, kh * k_sh, offs_k, live, mk), eps)
-            qc = _l2_normalize(_rows(q_ptr, rows, q_st, kh * q_sh, offs_k, live, mk), eps) * scale
-            vc = _rows(v_ptr, rows, v_st, h * v_sh, offs_v, live, mv)
-            gc, bc = _row_gates(a_ptr, b_ptr, rows, a_st, b_st, h, a_log, dt_bias, live)
-            u, gcum = _chunk_updates(s, kc, vc, gc, bc, c, STEPS, PREC)
-            o = _chunk_outputs(s, qc, kc, u, gcum, c, PREC)
-            tl.store(o_ptr + rows[:, None] * o_st + h * o_sh + offs_v[None, :], o.to(o_ptr.dtype.element_ty),
-                     mask=live[:, None] & mv[None, :])
-            s = _chunk_state(s, kc, gc, u, gcum, PREC)
-            c0 += CH
-        if keep_out < 0:
-            tl.store(s_tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
-
     @triton.jit
     def _earlier_inputs(cs_row, kept_in, pos, live, cols, mc, cs_sc, cs_sk, p_sr, K: tl.constexpr):
         """[len(pos), BC] inputs from before this step's rows, at positions `pos` of (the slot's K-1 inputs, then
@@ -553,11 +457,10 @@ def _pending_metadata(batch: ForwardBatch, pending: torch.Tensor) -> int:
 
 
 def gated_delta_rule_triton(q, k, v, gates: Gates, state, pending, batch: ForwardBatch, out=None, max_rows=None,
-                            block_v=None, num_warps=None, chunked=None):
+                            block_v=None, num_warps=None):
     """The recurrent kernel over every request with at most `max_rows` rows (all when None); the others' rows of
     `out` are left as they are. Returns out [T, nv, dv] in v's dtype. block_v, num_warps: the tiling (a benchmark's
-    sweep; None: the default). chunked: None, the row-by-row kernel; a precision ("tf32x3", "ieee"), the chunked
-    form with its dots in it (not yet timed on a GPU: `benchmarks/prefill_ops.py --rows recurrent --sweep`)."""
+    sweep; None: the default)."""
     T, nk, dk = q.shape
     nv, dv = v.shape[1], v.shape[2]
     a, b = gates.a, gates.b
@@ -570,8 +473,6 @@ def gated_delta_rule_triton(q, k, v, gates: Gates, state, pending, batch: Forwar
     if not todo or max(todo) == 0:
         return out
     B, W = len(lens), _pending_metadata(batch, pending)
-    if block_v is None and chunked is not None:  # 32 x 4 warps: no spills in tf32 on sm_90 (tf32x3 spills some)
-        block_v = min(32, _pow2(dv))
     if block_v is None:  # the H200 sweep's best (prefill_ops.py --rows recurrent): wider, fewer-warp tiles with
         block_v = min(64 if W > 1 and B * nv >= 512 else 32, _pow2(dv))  # verify rows, 32 x 4 warps for decode
     grid = (B, nv, triton.cdiv(dv, block_v))
@@ -581,13 +482,7 @@ def gated_delta_rule_triton(q, k, v, gates: Gates, state, pending, batch: Forwar
             out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), pending.stride(0),
             pending.stride(1), max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6)
     shape = dict(NK=nk, REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W)
-    if chunked is None:
-        _gdn_recurrent_kernel[grid](*args, **shape, WP=_pow2(W), num_warps=num_warps or (2 if W > 1 else 4))
-    else:
-        ch = max(CHUNK_ROWS, _pow2(W))
-        # the rows solved per chunk: W when every request of the launch is a decode or verify one (two variants)
-        steps = W if max(todo) <= W else ch
-        _gdn_chunk_kernel[grid](*args, **shape, CH=ch, STEPS=steps, PREC=chunked, num_warps=num_warps or 4)
+    _gdn_recurrent_kernel[grid](*args, **shape, WP=_pow2(W), num_warps=num_warps or (2 if W > 1 else 4))
     return out
 
 
