@@ -94,13 +94,30 @@ def _fault_for(fault: str | None, index: int) -> str | None:
     return name if not only or int(only) == index else None
 
 
+RESTART_ATTEMPTS, RESTART_PAUSE = 3, 2.0
+
+
 def _restart(child: "Child", ann: dict) -> "Child":
-    """The same worker again on the same ports, so the router's address for it stays valid."""
+    """The same worker again on the same ports, so the router's address for it stays valid; ready when this
+    returns. A port of the dead worker can stay taken for a moment after its death (a CPU suite run saw the
+    restarted worker fail to bind it once), so a start that fails is tried again, RESTART_ATTEMPTS times in all,
+    before the RuntimeError is passed on."""
     argv = list(child.argv)
     argv[argv.index("--port") + 1] = ann["grpc"].rsplit(":", 1)[1]
     if "transfer" in ann:
         argv[argv.index("--transfer-port") + 1] = ann["transfer"].rsplit(":", 1)[1]
-    return Child(child.name, argv)
+    for attempt in range(1, RESTART_ATTEMPTS + 1):
+        new = Child(child.name, argv)
+        try:
+            new.wait_announced(time.monotonic() + START_TIMEOUT)
+            return new
+        except RuntimeError as e:
+            new.proc.kill()  # not ready in time: it must not hold the ports for the next attempt
+            new.proc.wait()
+            if attempt == RESTART_ATTEMPTS:
+                raise
+            print(f"{e}; starting it again in {RESTART_PAUSE:.0f} s", file=sys.stderr)
+            time.sleep(RESTART_PAUSE)
 
 
 def serve(args) -> int:
@@ -182,13 +199,12 @@ def serve(args) -> int:
                 # supervisor mode: a dead worker comes back on its ports; the router's poll finds it healthy again
                 c = dead[0]
                 print(f"{c.name} exited with code {c.proc.returncode}; restarting", file=sys.stderr)
-                new = _restart(c, ann[c.name])
-                children[children.index(c)] = new
                 try:
-                    new.wait_announced(time.monotonic() + START_TIMEOUT)
+                    new = _restart(c, ann[c.name])
                 except RuntimeError as e:
                     print(f"error: {e}; stopping", file=sys.stderr)
                     return 1
+                children[children.index(c)] = new
                 print(f"TANDEM restarted name={c.name} pid={new.proc.pid} grpc={ann[c.name]['grpc']}", flush=True)
                 continue
             if dead:

@@ -5,6 +5,8 @@ and decode failover. Every scenario ends with nothing allocated anywhere (worker
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +16,7 @@ import pytest
 import requests
 
 from cluster import Cluster, assert_idle
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, launch
 from tandem.rpc import common_pb2
 
 ENGINE = ["--model", "tiny-moe", "--dtype", "float32", "--num-speculative-tokens", "2", "--block-size", "4",
@@ -55,6 +57,45 @@ def cluster():
     c = Cluster(*ENGINE, "--lease-seconds", "10")
     yield c
     assert c.stop() == 0
+
+
+@pytest.mark.parametrize("failures", [2, 3])
+def test_restart_starts_a_worker_again_when_it_fails_to_start(monkeypatch, failures):
+    """A restarted worker that exits before it is ready (a CPU suite run once saw it fail to bind its old port,
+    still taken a moment after the kill) is started again on the same ports, each failed start's process gone
+    first; after RESTART_ATTEMPTS failed starts the error is passed on (and `tandem serve` stops)."""
+    starts = []
+
+    class FlakyChild:  # a real process that never announces; the first `failures` starts fail
+        def __init__(self, name, argv):
+            self.name, self.argv, self.fails = name, argv, len(starts) < failures
+            self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            starts.append(self)
+
+        def wait_announced(self, deadline):
+            if self.fails:
+                raise RuntimeError(f"{self.name} exited with code 1 before it was ready")
+            return {}
+
+    monkeypatch.setattr(launch, "Child", FlakyChild)
+    monkeypatch.setattr(launch, "RESTART_PAUSE", 0.0)
+    dead = FlakyChild("decode-0", ["decode-worker", "--port", "0", "--transfer-port", "0"])
+    starts.clear()
+    ann = {"grpc": "127.0.0.1:4101", "transfer": "127.0.0.1:4102"}
+    try:
+        if failures < launch.RESTART_ATTEMPTS:
+            new = launch._restart(dead, ann)
+            assert new is starts[-1] and len(starts) == failures + 1 and new.proc.poll() is None
+        else:
+            with pytest.raises(RuntimeError, match="before it was ready"):
+                launch._restart(dead, ann)
+            assert len(starts) == launch.RESTART_ATTEMPTS
+        assert all(s.argv == ["decode-worker", "--port", "4101", "--transfer-port", "4102"] for s in starts)
+        assert all(s.proc.returncode is not None for s in starts[:failures])  # killed and reaped
+    finally:
+        for child in [dead, *starts]:
+            child.proc.kill()
+            child.proc.wait()
 
 
 def test_kill_decode_worker_mid_stream(cluster):
