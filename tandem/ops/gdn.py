@@ -477,8 +477,15 @@ def gated_delta_rule_triton(q, k, v, gates: Gates, state, pending, batch: Forwar
     if not todo or max(todo) == 0:
         return out
     B, W = len(lens), _pending_metadata(batch, pending)
-    if block_v is None:  # the H200 sweep's best (prefill_ops.py --rows recurrent): wider, fewer-warp tiles with
-        block_v = min(64 if W > 1 and B * nv >= 512 else 32, _pow2(dv))  # verify rows, 32 x 4 warps for decode
+    # The tiling (prefill_ops.py --rows recurrent --sweep): decode rows 32 wide x 4 warps; verify rows fewer warps,
+    # so fewer of each row's reductions over the keys cross warps: 32 x 2 for few requests, 16 x 1 from 16 (an
+    # H100 at B = 32: 77 us against 86 for 64 x 2, the H200 sweep's best without 1-warp tiles, where the two cards
+    # agreed within 10% on every tiling both ran)
+    many = B * nv >= 512
+    if block_v is None:
+        block_v = min(32 if W == 1 or not many else 16, _pow2(dv))
+    if num_warps is None:
+        num_warps = 4 if W == 1 else 1 if many else 2
     grid = (B, nv, triton.cdiv(dv, block_v))
     args = (q, k, v, a, b, gates.a_log, gates.dt_bias, state, out, pending, batch.query_start_loc, batch.state_slots,
             batch.state_replay, batch.state_pending,
@@ -486,7 +493,7 @@ def gated_delta_rule_triton(q, k, v, gates: Gates, state, pending, batch: Forwar
             out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), pending.stride(0),
             pending.stride(1), max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6)
     shape = dict(NK=nk, REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W)
-    _gdn_recurrent_kernel[grid](*args, **shape, WP=_pow2(W), num_warps=num_warps or (2 if W > 1 else 4), **pdl_args(q))
+    _gdn_recurrent_kernel[grid](*args, **shape, WP=_pow2(W), num_warps=num_warps, **pdl_args(q))
     return out
 
 
