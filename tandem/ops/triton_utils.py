@@ -11,11 +11,16 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_wait
 
     HAS_TRITON = True
 except ImportError:  # a CPU machine without triton runs the torch references
     HAS_TRITON = False
+try:  # programmatic dependent launch's wait (in Triton since 3.4): older ones launch plainly
+    from triton.language.extra.cuda import gdc_wait
+
+    HAS_PDL = True
+except ImportError:
+    HAS_PDL = False
 
 TORCH_OPS_ONLY = os.environ.get("TANDEM_TORCH_OPS", "") == "1"
 # TANDEM_PDL=0: plain launches on Hopper too (to compare, or to rule programmatic dependent launch out)
@@ -32,7 +37,7 @@ def pdl_args(x: torch.Tensor) -> dict:
     here is launched with programmatic dependent launch: the GPU may start it while the kernel before it on the
     stream finishes (about 0.3-0.7 us a launch less in a CUDA graph on an H100), and its first statement
     (`wait_for_producers`) waits for that kernel's writes. Elsewhere, and in the interpreter, a plain launch."""
-    if not x.is_cuda or PDL_OFF:
+    if not x.is_cuda or PDL_OFF or not HAS_PDL:
         return {"PDL": False}
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if index not in _PDL:
