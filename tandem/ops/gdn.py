@@ -249,43 +249,6 @@ if HAS_TRITON:
         gb = gb.to(b_ptr.dtype.element_ty).to(tl.float32)  # beta in b's dtype, as the reference keeps it
         return tl.where(live, ga, 0.0), tl.where(live, gb, 0.0)
 
-    @triton.jit
-    def _request(qsl_ptr, slots_ptr, replay_ptr, pend_ptr, p_ptr, p_ss, i):
-        """Request i's first row and row count, its state slot, its replayed rows and the pending buffer they are
-        in, and the buffer its own rows are kept in (-1: they are committed)."""
-        start = tl.load(qsl_ptr + i).to(tl.int64)
-        n = tl.load(qsl_ptr + i + 1).to(tl.int64) - start
-        kept_in = p_ptr + tl.load(pend_ptr + 2 * i).to(tl.int64) * p_ss
-        return (start, n, tl.load(slots_ptr + i).to(tl.int64), tl.load(replay_ptr + i), kept_in,
-                tl.load(pend_ptr + 2 * i + 1).to(tl.int64))
-
-    @triton.jit
-    def _state_tile(state_ptr, slot, h, vb, s_ss, s_sh, s_sk, DK: tl.constexpr, DV: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr):
-        """The key and value offsets of a program's [BK, BV] tile of the state, their masks, the tile's pointers
-        in the slot and its mask."""
-        offs_k = tl.arange(0, BK)
-        offs_v = vb * BV + tl.arange(0, BV)
-        mk = offs_k < DK
-        mv = offs_v < DV
-        s_tile = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :]
-        return offs_k, offs_v, mk, mv, s_tile, mk[:, None] & mv[None, :]
-
-    @triton.jit
-    def _keep_rows(dst, k_raw, v_raw, a_ptr, b_ptr, rows, a_st, b_st, live, h, kh, vb, offs_k, offs_v, mk, mv,
-                   NK: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
-        """The request's live rows (k and v as they came, a, b) into its keep buffer's rows `dst`, one program per
-        part: k by head REP * kh's first dv block, v by its own block, a and b by block 0."""
-        NV: tl.constexpr = NK * REP
-        A_OFF: tl.constexpr = NK * DK + NV * DV  # a's column in a kept row, then b's
-        p_dt = dst.dtype.element_ty
-        if vb == 0:
-            if h % REP == 0:
-                tl.store(dst[:, None] + (kh * DK + offs_k)[None, :], k_raw.to(p_dt), mask=live[:, None] & mk[None, :])
-            tl.store(dst + A_OFF + h, tl.load(a_ptr + rows * a_st + h, mask=live), mask=live)
-            tl.store(dst + A_OFF + NV + h, tl.load(b_ptr + rows * b_st + h, mask=live), mask=live)
-        tl.store(dst[:, None] + (NK * DK + h * DV + offs_v)[None, :], v_raw.to(p_dt), mask=live[:, None] & mv[None, :])
-
     @triton.jit(do_not_specialize=["max_rows", "p_ss"])
     def _gdn_recurrent_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr, p_ptr, qsl_ptr, slots_ptr,
@@ -305,15 +268,26 @@ if HAS_TRITON:
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
-        start, n, slot, n_replay, kept_in, keep_out = _request(qsl_ptr, slots_ptr, replay_ptr, pend_ptr, p_ptr, p_ss, i)
+        start = tl.load(qsl_ptr + i).to(tl.int64)
+        n = tl.load(qsl_ptr + i + 1).to(tl.int64) - start
         if n > max_rows:  # fla's
             return
+        slot = tl.load(slots_ptr + i).to(tl.int64)
+        n_replay = tl.load(replay_ptr + i)
+        kept_in = p_ptr + tl.load(pend_ptr + 2 * i).to(tl.int64) * p_ss
+        keep_out = tl.load(pend_ptr + 2 * i + 1).to(tl.int64)
         NV: tl.constexpr = NK * REP
         A_OFF: tl.constexpr = NK * DK + NV * DV  # a's column in a kept row, then b's
         kh = h // REP
         a_log = tl.load(a_log_ptr + h).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        offs_k, offs_v, mk, mv, s_tile, mtile = _state_tile(state_ptr, slot, h, vb, s_ss, s_sh, s_sk, DK, DV, BK, BV)
+        offs_k = tl.arange(0, BK)
+        offs_v = vb * BV + tl.arange(0, BV)
+        mk = offs_k < DK
+        mv = offs_v < DV
+        tile = offs_k[:, None] * s_sk + offs_v[None, :]
+        mtile = mk[:, None] & mv[None, :]
+        s_tile = state_ptr + slot * s_ss + h * s_sh + tile
         r = tl.arange(0, WP)
         rows = start + r
         live = (r < n) & (r < W)
@@ -333,8 +307,16 @@ if HAS_TRITON:
                 s = _delta_update(s, _row(kp, r, j), _row(vp, r, j), _at(gp, r, j), _at(bp, r, j))
         if keep_out >= 0:  # speculative rows: the state before them is stored, they are kept for the replay
             tl.store(s_tile, s.to(state_ptr.dtype.element_ty), mask=mtile)
-            _keep_rows(p_ptr + keep_out * p_ss + r * p_sr, k_raw, v_raw, a_ptr, b_ptr, rows, a_st, b_st, live, h, kh,
-                       vb, offs_k, offs_v, mk, mv, NK, REP, DK, DV)
+            dst = p_ptr + keep_out * p_ss + r * p_sr
+            p_dt = p_ptr.dtype.element_ty
+            if vb == 0:
+                if h % REP == 0:
+                    tl.store(dst[:, None] + (kh * DK + offs_k)[None, :], k_raw.to(p_dt),
+                             mask=live[:, None] & mk[None, :])
+                tl.store(dst + A_OFF + h, tl.load(a_ptr + rows * a_st + h, mask=live), mask=live)
+                tl.store(dst + A_OFF + NV + h, tl.load(b_ptr + rows * b_st + h, mask=live), mask=live)
+            tl.store(dst[:, None] + (NK * DK + h * DV + offs_v)[None, :], v_raw.to(p_dt),
+                     mask=live[:, None] & mv[None, :])
         for j in tl.static_range(W):
             s = _delta_update(s, _row(kw, r, j), _row(v_raw, r, j), _at(gw, r, j), _at(bw, r, j))
             ov = tl.sum(s * _row(qw, r, j)[:, None], axis=0)
@@ -487,13 +469,15 @@ def gated_delta_rule_triton(q, k, v, gates: Gates, state, pending, batch: Forwar
     if num_warps is None:
         num_warps = 4 if W == 1 else 1 if many else 2
     grid = (B, nv, triton.cdiv(dv, block_v))
-    args = (q, k, v, a, b, gates.a_log, gates.dt_bias, state, out, pending, batch.query_start_loc, batch.state_slots,
-            batch.state_replay, batch.state_pending,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-            out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), pending.stride(0),
-            pending.stride(1), max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6)
-    shape = dict(NK=nk, REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W)
-    _gdn_recurrent_kernel[grid](*args, **shape, WP=_pow2(W), num_warps=num_warps, **pdl_args(q))
+    _gdn_recurrent_kernel[grid](
+        q, k, v, a, b, gates.a_log, gates.dt_bias, state, out, pending, batch.query_start_loc, batch.state_slots,
+        batch.state_replay, batch.state_pending,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), pending.stride(0),
+        pending.stride(1), max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6,
+        NK=nk, REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W, WP=_pow2(W),
+        num_warps=num_warps, **pdl_args(q)
+    )
     return out
 
 
