@@ -2,11 +2,10 @@
 # One GPU session's measurements in one command: the GPU tests, the step benchmark (with the HF peer) and the
 # serving benchmarks, each writing its full output under $OUT (default ./h200-out) and printing a short summary.
 #
-#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [mixed] [fp8] [pdl] [serve] [pd]
+#     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [mixed] [fp8] [serve] [pd]
 #         [tp]
 #     (no argument: tests step serve pd; tp needs two GPUs)
-#     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; STEP: step.py's arguments (also
-#     of the pdl part, REPEATS times each way);
+#     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; STEP: step.py's arguments;
 #     OPS_ROWS: prefill_ops.py --rows; MIXED_BUDGETS: the step budgets of the mixed part (default "2048 8192");
 #     SERVE_FLAGS: more `tandem serve` flags of the colocated runs, TAG: a suffix of their result names;
 #     TESTS: test files, TESTS_TIMEOUT: seconds per file (the whole GPU suite takes ~8 min: split it over calls);
@@ -145,14 +144,6 @@ for part in $PARTS; do
                 --model $MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $OUT_LEN --ignore-eos \
                 --sweep-concurrency $SWEEP --num-prompts $PROMPTS --prompts-per-concurrency 4 --num-warmups 2 \
                 --plot-dir "$OUT/plots_k$k${TAG:-}"
-        done ;;
-    pdl)  # programmatic dependent launch against plain launches, interleaved runs so the spread shows
-        for i in $(seq 1 ${REPEATS:-3}); do
-            for pdl in 0 1; do
-                TANDEM_PDL=$pdl timeout 300 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE $STEP \
-                    > "$OUT/pdl$pdl-$i.txt" 2>&1
-                grep -E "^ +[0-9]+ +[0-9.]+ +[0-9.]+ " "$OUT/pdl$pdl-$i.txt" | sed "s/^/[TANDEM_PDL=$pdl run $i] /"
-            done
         done ;;
     pd)  # prefill and decode worker on the same GPU: a preset that fits twice
         serve_bench "pd_k2" --model $PD_MODEL --dtype $DTYPE --prefill-workers 1 --decode-workers 1 \

@@ -156,7 +156,8 @@ def align_rows(rep: Report, sweep: bool):  # no tilings to sweep
 
             def ranked():
                 w, e, ranks = moe.route_logits(logits, TOP_K, True, ranked=True)
-                moe.moe_align(e, E, block_m, ranks=ranks)
+                if not isinstance(ranks, moe.Aligned):  # up to RANK_PAIRS pairs the routing launch aligns too
+                    moe.moe_align(e, E, block_m, ranks=ranks)
                 moe.routing_counters(logits.device, E).zero_()  # what the gate/up kernel does
 
             rep.row(f"route + ranked align + zeroing T={T} pairs={T * TOP_K}", graph_us(ranked),

@@ -82,11 +82,9 @@ def _record_compiles(found: dict):
 
 
 def _as_h200() -> None:
-    """The dispatch takes the Triton path for these CPU tensors, launches as on Hopper and sizes its grids for an
-    H200's SMs."""
+    """The dispatch takes the Triton path for these CPU tensors and sizes its grids for an H200's SMs."""
     for module in (attention, fp8, gdn, linear, moe, norm, pointwise, rope):
         module.use_triton = lambda x: True
-        module.pdl_args = lambda x: {"PDL": True, "launch_pdl": True}  # as launched on Hopper
     attention._target_programs = lambda device: attention.PROGRAMS_PER_SM * H200_SMS
     fp8._sm_count = lambda device: H200_SMS
     gdn.HAS_FLA = False  # long prompts take fla's kernels on the GPU; ours then take every row here

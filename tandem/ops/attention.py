@@ -28,7 +28,7 @@ import os
 import torch
 
 from tandem.model.batch import ForwardBatch
-from tandem.ops.triton_utils import HAS_TRITON, pdl_args, use_triton, wait_for_producers
+from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
 DECODE_MAX_Q = 8  # batches whose longest request has at most this many query rows take the decode tiling
 DECODE_BLOCK_N, PREFILL_M, PREFILL_BLOCK_N, NUM_STAGES = 32, 128, 64, 2  # prefill: benchmarks/prefill_ops.py --sweep
@@ -82,9 +82,8 @@ if HAS_TRITON:
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TQ: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT_K: tl.constexpr, MIN_CHUNK: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, PRECISION: tl.constexpr,
-        LOOP_WHILE: tl.constexpr, PDL: tl.constexpr,
+        LOOP_WHILE: tl.constexpr,
     ):
-        wait_for_producers(PDL)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -163,9 +162,8 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["num_rows", "num_splits"])
     def _attn_reduce_kernel(out_ptr, o_part_ptr, lse_part_ptr, num_rows, num_heads, stride_ot, stride_oh, num_splits,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr):
         """SPLITS_P2 >= num_splits: one variant for every split count (they vary with the batch)."""
-        wait_for_producers(PDL)
         row = tl.program_id(0).to(tl.int64)  # token * num_heads + head
         s = tl.arange(0, SPLITS_P2)
         d = tl.arange(0, BLOCK_D)
@@ -273,13 +271,12 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
         BLOCK_N=bn, BLOCK_SIZE=block_size, SPLIT_K=num_splits > 1, MIN_CHUNK=triton.cdiv(min_chunk, bn) * bn,
         ONE_TILE_PER_REQ=decode, PRECISION=precision,
         LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=warps, num_stages=NUM_STAGES, **pdl_args(q)
+        num_warps=warps, num_stages=NUM_STAGES,
     )
     if num_splits > 1:
         _attn_reduce_kernel[(T * H,)](out, o_part, lse_part, T * H, H, out.stride(0), out.stride(1), num_splits,
                                       HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-                                      SPLITS_P2=triton.next_power_of_2(max(num_splits, MAX_SPLITS)), num_warps=8,
-                                      **pdl_args(out))
+                                      SPLITS_P2=triton.next_power_of_2(max(num_splits, MAX_SPLITS)), num_warps=8)
     return out
 
 
