@@ -10,9 +10,9 @@ the torch reference (dequantise both operands after quantising x, then an fp32 m
 launches: `_quantize_groups_kernel` writes x's e4m3 values and per-group scales (IEEE division, so it gives the
 reference's values bit for bit), then `_w8a8_kernel` streams the weight through the tensor cores. Where a norm
 produced x, its kernel wrote those groups already (`activation_groups`): one launch. Each group's e4m3 product
-is rescaled by `s_x * s_w` into an fp32 accumulator. Inside a group, a weight-streaming GEMM (decode) promotes
-the partial sum to fp32 at every K=32 step (`max_num_imprecise_acc=0`), which is free there; a compute-bound one
-(prefill) keeps Hopper's fast accumulation over the group's 128 products, twice as fast (`dot_mode`).
+is rescaled by `s_x * s_w` into an fp32 accumulator. Inside a group, a GEMM of narrow row tiles (decode)
+promotes the partial sum to fp32 at every K=32 step (`max_num_imprecise_acc=0`), which is free there; one of
+64-row tiles (prefill, verify) keeps Hopper's fast accumulation over the group's 128 products (`dot_mode`).
 At decode sizes (few rows) the GEMM is split over K so every SM streams weight; the last program of each tile to
 finish (an arrival counter) adds the fp32 partials in split order, so the split costs no extra launch and stays
 deterministic. Quantising inside the GEMM instead cost each N tile a re-quantisation of
@@ -379,13 +379,14 @@ def w8a8_linear_torch(x, w, scale_inv, block):
 _SM_COUNT: dict[int, int] = {}
 
 
-def dot_mode(compute_bound: bool) -> int:
-    """`group_dot`'s DOT for a GEMM: compute-bound ones (prefill) take Hopper's fast e4m3 accumulation within each
-    128-wide group, promoted to fp32 once a group as DeepSeek's and vLLM's block-FP8 GEMMs do (2.2x faster dense
-    and 1.5x faster experts at 2048 rows on an H100; summation error at most 3.2e-5 of |x| @ |w|, below a bf16
-    output's rounding); weight-streaming ones (decode, verify) promote every K = 32 step, which costs them
-    nothing."""
-    return 0 if compute_bound else 1
+def dot_mode(block_m: int) -> int:
+    """`group_dot`'s DOT for a GEMM whose row tile is `block_m`. Tiles of 64 rows and more (prefill, and dense
+    verify GEMMs past 32 rows) take Hopper's fast e4m3 accumulation within each 128-wide group, promoted to fp32
+    once a group as DeepSeek's and vLLM's block-FP8 GEMMs do; summation error at most 3.2e-5 of |x| @ |w|, below
+    a bf16 output's rounding. It is 2.2x faster for the dense GEMMs and 1.5x for the experts at 2048 rows, and
+    1.2-1.6x for the dense ones at 96 rows (an H100), where promoting every K = 32 step of a 64-row tile costs as
+    much as streaming the weight. Narrower tiles (decode) promote every K = 32 step, which costs them nothing."""
+    return 0 if block_m >= 64 else 1
 
 
 def _sm_count(device: torch.device) -> int:
@@ -428,7 +429,7 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=None):
         return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     kb = cdiv(K, block[1])
     bm, bn, split, warps, stages = tiles or _gemm_tiles(M, N, kb, _sm_count(x.device))
-    dot = dot_mode(M > DECODE_MAX_ROWS) if dot is None else dot
+    dot = dot_mode(bm) if dot is None else dot
     per_split = cdiv(kb, split)
     split = cdiv(kb, per_split)
     xq, xs = activation_groups(x, block[1])

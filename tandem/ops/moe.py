@@ -563,10 +563,12 @@ def _configs(n_pairs: int, num_experts: int, fp8: bool = False):
     (decode, verify): BLOCK_M 16 and narrow N tiles so the few touched experts still spread over every SM; many
     (prefill): 64, compute-bound (FP8: the fast DOT, and a narrower down tile: 13% faster on an H100)."""
     if n_pairs <= 4 * num_experts:  # on average up to 4 tokens per expert
-        return 16, (32, 128, 4, 4), (64, 128, 4, 4), dot_mode(False)
-    if n_pairs <= 16 * num_experts:
-        return 32, (64, 64, 4, 4), (64, 64, 4, 4), dot_mode(False)
-    return 64, (64, 64, 4, 3), (64, 128, 4, 3) if fp8 else (128, 64, 8, 3), dot_mode(True)
+        block_m, gate_up, down = 16, (32, 128, 4, 4), (64, 128, 4, 4)
+    elif n_pairs <= 16 * num_experts:
+        block_m, gate_up, down = 32, (64, 64, 4, 4), (64, 64, 4, 4)
+    else:
+        block_m, gate_up, down = 64, (64, 64, 4, 3), (64, 128, 4, 3) if fp8 else (128, 64, 8, 3)
+    return block_m, gate_up, down, dot_mode(block_m)
 
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
