@@ -186,10 +186,11 @@ class Engine:
             batches.append(_prompts(budget - 1, room))
         batches += [[1], [2], [3], [5], [48], [short], [64, 96]]
         batches += [[1] * b for b in (2, 4, 8, 16)]  # steps of several requests: GDN's value blocks, MoE align chunks
-        # the prompt of `room` rows ends with a chunk of `tail` rows: split-K on a long context in each decode tiling
-        # (1, 2, 3 and 5 rows: one per power-of-two tile height) and in the prefill tiling, one tile and several
+        # the last prompt ends with a chunk of `tail` rows: split-K on a long context in each decode tiling (1, 2, 3
+        # and 5 rows: one per power-of-two tile height) and in the prefill tiling, one tile and several; prompts
+        # before it fill the first step (several of them when the budget exceeds two prompts of `room` rows)
         for tail in (1, 2, 3, 5, short, 20):
-            batches.append([budget + tail] if budget + tail <= room else [budget - room + tail, room])
+            batches.append([budget + tail] if budget + tail <= room else [*_prompts(budget + tail - room, room), room])
         batches = [b for b in batches if len(b) <= self.ecfg.max_num_seqs and max(b) <= room]
         # 2 tokens: a request that stopped at its first token would not draft (the MTP head's eager passes)
         params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
