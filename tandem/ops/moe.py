@@ -561,8 +561,11 @@ def _moe_align_torch(flat, num_experts, block_m, p_max):
 def _configs(n_pairs: int, num_experts: int, fp8: bool = False):
     """(BLOCK_M, gate_up (BLOCK_N, BLOCK_K, warps, stages), down (...), `group_dot`'s DOT). Few tokens per expert
     (decode, verify): BLOCK_M 16 and narrow N tiles so the few touched experts still spread over every SM; many
-    (prefill): 64, compute-bound (FP8: the fast DOT, and a narrower down tile: 13% faster on an H100)."""
-    if n_pairs <= 4 * num_experts:  # on average up to 4 tokens per expert
+    (prefill): 64, compute-bound (FP8: the fast DOT, and a narrower down tile: 13% faster on an H100). The
+    narrowest tiles stop at ALIGN_CHUNK pairs too: past it the align is the chunked kernel, which with 16-row
+    blocks only a window of a few pairs would reach (1025-1028 pairs over 257 experts: 114 tokens), too narrow
+    for the warm-up to compile it before serving does."""
+    if n_pairs <= min(4 * num_experts, ALIGN_CHUNK):  # on average up to 4 tokens per expert
         block_m, gate_up, down = 16, (32, 128, 4, 4), (64, 128, 4, 4)
     elif n_pairs <= 16 * num_experts:
         block_m, gate_up, down = 32, (64, 64, 4, 4), (64, 64, 4, 4)
