@@ -215,6 +215,15 @@ def attention_rows(rep: Report, sweep: bool):
             prefill_m=prefill_m, block_n=block_n))
         rep.row(f"attention {PROMPTS}x{LEN} prefill_m={prefill_m or 'default'} block_n={block_n or 'default'}",
                 us, nbytes, flops)
+    for B, rows, ctx in ((1, 1, 1024), (1, 3, 4096), (32, 1, 1280), (32, 3, 1280), (32, 3, 4096)):
+        # decode and verify: the context split over programs (split-K), then the partials' reduce
+        batch, tables = packed_batch([rows] * B, dev, cached=ctx)
+        kc = torch.randn(int(tables.max()) + 1, BLOCK, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
+        vc = torch.randn_like(kc)
+        q = torch.randn(B * rows, HEADS, HEAD_DIM, device=dev, dtype=dt)
+        us = graph_us(lambda: attention.paged_attention_triton(q, kc, vc, batch.query_start_loc, batch.seq_lens,
+                                                               batch.block_tables, HEAD_DIM**-0.5, rows))
+        rep.row(f"attention decode {B}x{rows} on {ctx} cached", us, 2 * B * (ctx + rows) * KV_HEADS * HEAD_DIM * 2)
 
 
 ROWS = {"conv": conv_rows, "norm": gated_norm_rows, "recurrent": recurrent_rows, "align": align_rows,

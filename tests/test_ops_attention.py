@@ -85,6 +85,10 @@ def test_paged_attention_kernel_cpu_interpreter(heads, kv_heads, monkeypatch):
     check(run_kernel(q, kc, vc, b, scale, num_splits=1, block_n=16), ref, 1e-5)  # decode tiling, no split
     check(run_kernel(q, kc, vc, b, scale, num_splits=4, block_n=16, min_chunk=16), ref, 1e-5)  # split-K + reduce
     check(run_kernel(q, kc, vc, b, scale, decode=False, prefill_m=8, block_n=16), ref, 1e-5)  # prefill tiling
+    # long contexts in 20 splits: the reduce merges them in two chunks, keys in both, splits without keys last
+    q, kc, vc, b = make_case([(300, 1), (5, 3), (290, 3)], heads, kv_heads, hd, torch.float32, "cpu", seed=heads)
+    check(run_kernel(q, kc, vc, b, scale, num_splits=20, block_n=16, min_chunk=16), reference(q, kc, vc, b, scale),
+          1e-5)
 
     q, kc, vc, b = make_case(MIXED_REQS, heads, kv_heads, hd, torch.float32, "cpu", seed=heads * 10 + kv_heads + 1)
     ref = reference(q, kc, vc, b, scale)

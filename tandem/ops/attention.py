@@ -38,6 +38,7 @@ FP32_PREFILL_M, FP32_PREFILL_BLOCK_N = 64, 32
 WIDE_TILE = 32 * 256  # tiles of more than this many (row, dim) elements run 8 warps (the fp32 accumulator), else 4
 MIN_CHUNK = 64  # fewest context tokens one split takes (multiple of both BLOCK_Ns)
 MAX_SPLITS = 64
+SPLIT_CHUNK = 16  # partials the reduce merges at once: few registers, one load for the usual split counts
 SEARCH_STEPS = 16  # the prefill tiling's binary search over requests: one variant for up to 2**16 requests
 PROGRAMS_PER_SM = 2  # split-K aims at this many programs per SM
 
@@ -162,22 +163,34 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["num_rows", "num_splits"])
     def _attn_reduce_kernel(out_ptr, o_part_ptr, lse_part_ptr, num_rows, num_heads, stride_ot, stride_oh, num_splits,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr):
-        """SPLITS_P2 >= num_splits: one variant for every split count (they vary with the batch)."""
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+        """One row's partials, SPLIT_CHUNK splits at a time (one variant for every split count: they vary with the
+        batch), the running sum rescaled whenever a chunk raises the largest log-sum-exp."""
         row = tl.program_id(0).to(tl.int64)  # token * num_heads + head
-        s = tl.arange(0, SPLITS_P2)
         d = tl.arange(0, BLOCK_D)
-        s_ok = s < num_splits
-        lse = tl.load(lse_part_ptr + s * num_rows + row, mask=s_ok, other=float("-inf"))
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)  # splits with no visible key (lse = -inf) weigh 0, their partials are masked out
-        part = tl.load(o_part_ptr + (s * num_rows + row)[:, None] * HEAD_DIM + d[None, :],
-                       mask=s_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-        o = tl.sum(tl.where((w > 0.0)[:, None], part * w[:, None], 0.0), 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+        d_ok = d < HEAD_DIM
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        s0 = num_splits * 0
+        while s0 < num_splits:
+            s = s0 + tl.arange(0, SPLIT_CHUNK)
+            s_ok = s < num_splits
+            lse = tl.load(lse_part_ptr + s * num_rows + row, mask=s_ok, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w = tl.exp2(lse - m_safe)  # splits with no visible key (lse = -inf) weigh 0, their partials are masked out
+            part = tl.load(o_part_ptr + (s * num_rows + row)[:, None] * HEAD_DIM + d[None, :],
+                           mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            rescale = tl.exp2(m - m_safe)
+            acc = acc * rescale + tl.sum(tl.where((w > 0.0)[:, None], part * w[:, None], 0.0), 0)
+            total = total * rescale + tl.sum(w, 0)
+            m = m_new
+            s0 += SPLIT_CHUNK
+        o = acc / tl.maximum(total, 1e-30)
         tok = row // num_heads
         head = row % num_heads
-        tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
@@ -276,7 +289,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     if num_splits > 1:
         _attn_reduce_kernel[(T * H,)](out, o_part, lse_part, T * H, H, out.stride(0), out.stride(1), num_splits,
                                       HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-                                      SPLITS_P2=triton.next_power_of_2(max(num_splits, MAX_SPLITS)), num_warps=8)
+                                      SPLIT_CHUNK=SPLIT_CHUNK, num_warps=4)
     return out
 
 
