@@ -50,6 +50,21 @@ wait_announced() {  # log file, pid -> waits for tandem serve's machine-readable
     return 1
 }
 
+# The SM clock while the GPU is busy, sampled every 0.5 s: compute-bound steps (prefill, mixed) slow down with it,
+# weight-streaming ones hardly, so runs on two cards compare only at like clocks
+clocks_start() {  # name
+    nvidia-smi --query-gpu=utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu \
+        --format=csv,noheader,nounits -lms 500 > "$OUT/$1.smi.csv" 2>/dev/null &
+    SMI_PID=$!
+}
+
+clocks_report() {  # name
+    kill "$SMI_PID" 2>/dev/null; wait "$SMI_PID" 2>/dev/null
+    awk -F', ' '$1 >= 50 {n++; c+=$2; p+=$4; if ($6 > t) t=$6; m=$3; l=$5}
+        END {if (n) printf "busy samples %d: SM clock %.0f MHz (max %s), power %.0f W (limit %s), up to %d C\n",
+             n, c/n, m, p/n, l, t}' "$OUT/$1.smi.csv" | sed "s/^/[$1] /"
+}
+
 serve_bench() {  # name, serve flags..., -- , bench flags...
     local name=$1; shift
     local serve=() bench=()
@@ -73,6 +88,7 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
             done; wait) &
             spy_pid=$!
         fi
+        clocks_start "$name"
         timeout 400 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
             --metrics-url "$metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$name.json" \
             "${bench[@]}" > "$OUT/$name.txt" 2>&1
@@ -83,6 +99,7 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
             timeout=10).read().decode())" "$url"; done > "$OUT/$name.metrics.txt" 2>&1
         grep -E "^tandem:engine_step_seconds_(bucket|count).*mixed" "$OUT/$name.metrics.txt" | grep -v 'le="0.0' \
             | sed "s/^/[$name] /" | head -30
+        clocks_report "$name"
         grep -E "slow engine step|FP8 prefill GEMMs|kernel variant while serving" "$OUT/$name.serve.log" | head -10 | sed "s/^/[$name] /"
         if [ -n "$spy_pid" ]; then  # the samples' summary: where the engine thread's time went, who held the GIL
             wait "$spy_pid"
@@ -116,8 +133,10 @@ for part in $PARTS; do
         grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.txt" | head -20 ;;
     step)
         name=step-$(basename "$MODEL")  # MODEL may be a checkpoint directory
+        clocks_start "$name"
         timeout 900 python3 benchmarks/step.py --model $MODEL --dtype $DTYPE $STEP --json "$OUT/$name.json" \
             > "$OUT/$name.txt" 2>&1
+        clocks_report "$name"
         sed -n '/===== summary/,$p' "$OUT/$name.txt" ;;
     ops)  # the prefill-size kernels against their floors, with the tilings each dispatch could take instead
         timeout 300 python3 benchmarks/prefill_ops.py --sweep ${OPS_ROWS:+--rows $OPS_ROWS} > "$OUT/prefill_ops.txt" 2>&1
