@@ -72,6 +72,7 @@ from tandem.model.presets import PRESETS  # noqa: E402
 from tandem.model.qwen3_5 import DecoderLayer  # noqa: E402
 from tandem.ops import gdn  # noqa: E402
 from tandem.ops.gdn import pending_width  # noqa: E402
+from trace_gaps import summarize  # noqa: E402  (this script's directory is on sys.path)
 
 PREFILL_TOKEN_CAP = 16384
 PROFILE_STEPS = 3
@@ -132,14 +133,18 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def profiled(device: str, fn, rows: int = 30):
-    """fn() under torch's profiler -> (its result, device-busy ms, kernels launched, the top-`rows` table)."""
+def profiled(device: str, fn, rows: int = 30, trace: str | None = None):
+    """fn() under torch's profiler -> (its result, device-busy ms, kernels launched, the top-`rows` table); with
+    `trace`, the Python stacks are recorded too and the Chrome trace written there."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.startswith("cuda")
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 with_stack=trace is not None) as prof:
         out = fn()
         synchronize(device)
+    if trace:
+        prof.export_chrome_trace(trace)
     events = prof.key_averages()
     busy_ms = sum(e.self_device_time_total for e in events) / 1e3
     kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -148,12 +153,20 @@ def profiled(device: str, fn, rows: int = 30):
     return out, busy_ms, kernels, table
 
 
-def profile_steps(eng, steps: int, device: str) -> None:
-    """Device time per step against wall time (the gap is host overhead), and the kernels that take it."""
-    _, busy_ms, kernels, table = profiled(device, lambda: [eng.step() for _ in range(steps)])
+def profile_steps(eng, steps: int, device: str, trace: str | None = None) -> None:
+    """Device time per step against wall time (the gap is host overhead), and the kernels that take it; with
+    `trace`, also writes the Chrome trace there and prints where the device waited on the host."""
+    _, busy_ms, kernels, table = profiled(device, lambda: [eng.step() for _ in range(steps)], trace=trace)
     if device.startswith("cuda"):
         print(f"  profiled: device busy {busy_ms / steps:.3f} ms per step, {kernels / steps:.0f} kernels per step")
     print(table)
+    if trace:
+        print(summarize(trace))
+
+
+def trace_path(args, name: str) -> str | None:
+    """Where --trace writes the Chrome trace `name` (None without --trace)."""
+    return str(Path(args.trace) / name) if args.trace else None
 
 
 def profile_prefill(eng, cfg, args, count: int, length: int) -> None:
@@ -240,7 +253,7 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
     print(f"{batch:>5} {ms:>9.3f} {row['floor_ms']:>9.4f} {row['ratio']:>7.1f} {row['tokens_per_step']:>8.2f} "
           f"{row['tok_s']:>9.1f}{split}")
     if args.profile:
-        profile_steps(eng, PROFILE_STEPS, args.device)
+        profile_steps(eng, PROFILE_STEPS, args.device, trace_path(args, f"decode-B{batch}-k{k}.json"))
     if args.mixed:
         row["mixed"] = tandem_mixed(eng, cfg, args, batch, ms)
     for s in seqs:
@@ -273,10 +286,13 @@ def tandem_mixed(eng, cfg, args, batch: int, decode_ms: float) -> dict:
             return times
 
         if rnd == 2:
-            times, busy_ms, _, table = profiled(args.device, run)
+            trace = trace_path(args, f"mixed-B{batch}-k{eng.ecfg.num_speculative_tokens}.json")  # one per decode run
+            times, busy_ms, _, table = profiled(args.device, run, trace=trace)
             print(f"  mixed, profiled: {sum(t for _, _, t in times) * 1e3:.1f} ms wall over {len(times)} steps, "
                   f"device busy {busy_ms:.1f} ms")
             print(table)
+            if trace:
+                print(summarize(trace))
         else:
             times = run()
         for r in ids:
@@ -553,6 +569,10 @@ def main():
     ap.add_argument("--bandwidth-gbs", type=float, default=4250.0, help="memory bandwidth for the floor")
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of a few profiled steps")
     ap.add_argument("--host-profile", action="store_true", help="also print where a prefill run's host time goes")
+    ap.add_argument("--trace", metavar="DIR", default=None,
+                    help="implies --profile: the decode and mixed profiles record Python stacks, write their Chrome "
+                         "traces here (decode-B*-k*.json, mixed-B*-k*.json) and print where the device waited on the "
+                         "host (benchmarks/trace_gaps.py)")
     ap.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks (GPUs) per engine, each run launching its own, as `tandem serve` does; floors per GPU")
@@ -560,6 +580,9 @@ def main():
                     help="FP8: quantise each GEMM input by a launch of its own instead of in the kernel that "
                          "produced it (the norms, the attention output gate), to compare the two")
     args = ap.parse_args()
+    if args.trace:
+        args.profile = True
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     ks = [int(k) for k in args.k.split(",")]
