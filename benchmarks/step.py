@@ -256,7 +256,7 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
     print(f"{batch:>5} {ms:>9.3f} {row['floor_ms']:>9.4f} {row['ratio']:>7.1f} {row['tokens_per_step']:>8.2f} "
           f"{row['tok_s']:>9.1f}{split}")
     if args.profile:
-        profile_steps(eng, PROFILE_STEPS, args.device, trace_path(args, f"decode-B{batch}-k{k}.json"))
+        profile_steps(eng, PROFILE_STEPS, args.device, trace_path(args, f"decode-B{batch}-k{k}.json.gz"))
     if args.mixed:
         row["mixed"] = tandem_mixed(eng, cfg, args, batch, ms)
     for s in seqs:
@@ -289,7 +289,7 @@ def tandem_mixed(eng, cfg, args, batch: int, decode_ms: float) -> dict:
             return times
 
         if rnd == 2:
-            trace = trace_path(args, f"mixed-B{batch}-k{eng.ecfg.num_speculative_tokens}.json")  # one per decode run
+            trace = trace_path(args, f"mixed-B{batch}-k{eng.ecfg.num_speculative_tokens}.json.gz")  # one per decode run
             times, busy_ms, _, table = profiled(args.device, run, trace=trace)
             print(f"  mixed, profiled: {sum(t for _, _, t in times) * 1e3:.1f} ms wall over {len(times)} steps, "
                   f"device busy {busy_ms:.1f} ms")
@@ -574,8 +574,8 @@ def main():
     ap.add_argument("--host-profile", action="store_true", help="also print where a prefill run's host time goes")
     ap.add_argument("--trace", metavar="DIR", default=None,
                     help="implies --profile: the decode and mixed profiles record Python stacks, write their Chrome "
-                         "traces here (decode-B*-k*.json, mixed-B*-k*.json) and print where the device waited on the "
-                         "host (benchmarks/trace_gaps.py)")
+                         "traces here (decode-B*-k*.json.gz, mixed-B*-k*.json.gz: a mixed step's runs to tens of "
+                         "MB) and print where the device waited on the host (benchmarks/trace_gaps.py)")
     ap.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks (GPUs) per engine, each run launching its own, as `tandem serve` does; floors per GPU")
