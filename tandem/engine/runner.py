@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tandem.cache.pools import CachePools
@@ -28,17 +30,19 @@ class ModelRunner:
     def rows_batch(self, items: list[tuple[Sequence, int, list[int]]]) -> ForwardBatch:
         """A batch of (sequence, first position, token ids) triples; the rows of each sit at consecutive positions."""
         dev, bs = self.ecfg.device, self.ecfg.block_size
+        # built while the device waits for the step (a traced mixed step: docs/BENCHMARKS.md, thirteenth session),
+        # so one tensor per field from Python lists, and repeat_interleave told its output size
         lens = [len(toks) for _, _, toks in items]
-        starts = torch.tensor([p for _, p, _ in items])
+        rows = sum(lens)
+        starts, lens_t = torch.tensor([p for _, p, _ in items]), torch.tensor(lens)
         qsl = torch.tensor([0] + lens).cumsum(0)
-        seq_lens = starts + torch.tensor(lens)
+        seq_lens = starts + lens_t
         # positions: start of each request plus the offset of each row inside its chunk
-        row_req = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(lens))
-        positions = starts[row_req] + torch.arange(int(qsl[-1])) - qsl[:-1][row_req]
+        row_req = torch.repeat_interleave(torch.arange(len(items)), lens_t, output_size=rows)
+        positions = starts[row_req] + torch.arange(rows) - qsl[:-1][row_req]
         width = max(len(seq.block_ids) for seq, _, _ in items)
-        tables = torch.zeros(len(items), width, dtype=torch.long)
-        for i, (seq, _, _) in enumerate(items):
-            tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids)
+        tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids)) for seq, _, _ in items],
+                              dtype=torch.long)
         slot_mapping = tables[row_req, positions // bs] * bs + positions % bs
         # with speculation, a decode request's rows (its last token and drafts) stay pending in the GDN layers
         # until its acceptance is known (`Sequence.kept`); prompt rows are committed
@@ -47,7 +51,8 @@ class ModelRunner:
         # all int64, as in the decode graphs' buffers: the kernels then compile one variant for both
         (input_ids, positions_d, slot_mapping_d, state_slots, state_replay, state_pending, logits_indices, qsl_d,
          seq_lens_d, tables_d) = to_device(
-            dev, torch.tensor([t for _, _, toks in items for t in toks], dtype=torch.long), positions, slot_mapping,
+            dev, torch.tensor(list(itertools.chain.from_iterable(toks for _, _, toks in items)), dtype=torch.long),
+            positions, slot_mapping,
             torch.tensor([seq.state_slots[0] for seq, _, _ in items]),
             torch.tensor([seq.pending_rows for seq, _, _ in items]), torch.tensor(pending), qsl[1:] - 1, qsl,
             seq_lens, tables)
