@@ -133,14 +133,14 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def profiled(device: str, fn, rows: int = 30, trace: str | None = None):
+def profiled(device: str, fn, rows: int = 30, trace: str | None = None, stacks: bool = False):
     """fn() under torch's profiler -> (its result, device-busy ms, kernels launched, the top-`rows` table); with
-    `trace`, the Python stacks are recorded too and the Chrome trace written there."""
+    `trace`, the Chrome trace is written there (with `stacks`, the Python stacks are recorded in it too)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.startswith("cuda")
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
-                 with_stack=trace is not None) as prof:
+                 with_stack=trace is not None and stacks) as prof:
         out = fn()
         synchronize(device)
     if trace:
@@ -156,10 +156,11 @@ def profiled(device: str, fn, rows: int = 30, trace: str | None = None):
     return out, busy_ms, kernels, table
 
 
-def profile_steps(eng, steps: int, device: str, trace: str | None = None) -> None:
+def profile_steps(eng, steps: int, device: str, trace: str | None = None, stacks: bool = False) -> None:
     """Device time per step against wall time (the gap is host overhead), and the kernels that take it; with
     `trace`, also writes the Chrome trace there and prints where the device waited on the host."""
-    _, busy_ms, kernels, table = profiled(device, lambda: [eng.step() for _ in range(steps)], trace=trace)
+    _, busy_ms, kernels, table = profiled(device, lambda: [eng.step() for _ in range(steps)], trace=trace,
+                                          stacks=stacks)
     if device.startswith("cuda"):
         print(f"  profiled: device busy {busy_ms / steps:.3f} ms per step, {kernels / steps:.0f} kernels per step")
     print(table)
@@ -256,7 +257,8 @@ def tandem_decode(cfg, model, args, batch: int, k: int, rates: tuple[float, ...]
     print(f"{batch:>5} {ms:>9.3f} {row['floor_ms']:>9.4f} {row['ratio']:>7.1f} {row['tokens_per_step']:>8.2f} "
           f"{row['tok_s']:>9.1f}{split}")
     if args.profile:
-        profile_steps(eng, PROFILE_STEPS, args.device, trace_path(args, f"decode-B{batch}-k{k}.json.gz"))
+        profile_steps(eng, PROFILE_STEPS, args.device, trace_path(args, f"decode-B{batch}-k{k}.json.gz"),
+                      args.trace_stacks)
     if args.mixed:
         row["mixed"] = tandem_mixed(eng, cfg, args, batch, ms)
     for s in seqs:
@@ -290,7 +292,7 @@ def tandem_mixed(eng, cfg, args, batch: int, decode_ms: float) -> dict:
 
         if rnd == 2:
             trace = trace_path(args, f"mixed-B{batch}-k{eng.ecfg.num_speculative_tokens}.json.gz")  # one per decode run
-            times, busy_ms, _, table = profiled(args.device, run, trace=trace)
+            times, busy_ms, _, table = profiled(args.device, run, trace=trace, stacks=args.trace_stacks)
             print(f"  mixed, profiled: {sum(t for _, _, t in times) * 1e3:.1f} ms wall over {len(times)} steps, "
                   f"device busy {busy_ms:.1f} ms")
             print(table)
@@ -573,9 +575,12 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of a few profiled steps")
     ap.add_argument("--host-profile", action="store_true", help="also print where a prefill run's host time goes")
     ap.add_argument("--trace", metavar="DIR", default=None,
-                    help="implies --profile: the decode and mixed profiles record Python stacks, write their Chrome "
-                         "traces here (decode-B*-k*.json.gz, mixed-B*-k*.json.gz: a mixed step's runs to tens of "
-                         "MB) and print where the device waited on the host (benchmarks/trace_gaps.py)")
+                    help="implies --profile: the decode and mixed profiles write their Chrome traces here "
+                         "(decode-B*-k*.json.gz, mixed-B*-k*.json.gz) and print where the device waited on the "
+                         "host (benchmarks/trace_gaps.py), by the engine's named ranges (tandem/profiling.py)")
+    ap.add_argument("--trace-stacks", action="store_true",
+                    help="--trace records Python stacks too: the host's exact frames, but slowed so much that the "
+                         "gaps move (a mixed step's trace then runs to tens of MB)")
     ap.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks (GPUs) per engine, each run launching its own, as `tandem serve` does; floors per GPU")

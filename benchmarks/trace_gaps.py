@@ -1,11 +1,14 @@
 """Where the device sits idle because the host is late: the idle gaps between the kernels, copies and memsets of a
-Chrome trace that torch.profiler exported (profiled with_stack=True), each put on what the host was running at its
-midpoint, the innermost Tandem frame and the innermost frame of all (a builtin, an aten op, a CUDA runtime call).
+Chrome trace that torch.profiler exported, each put on what the host was running at its midpoint, the innermost
+Tandem frame and the innermost frame of all (a builtin, an aten op, a CUDA runtime call). Tandem frames are the
+engine's named ranges (`tandem/profiling.py`: `tandem.LLM.step`, `tandem.core.gated_delta_rule`, ...) and, in a
+trace profiled with_stack=True, the project's Python frames.
 
     python3 benchmarks/trace_gaps.py TRACE.json [--min-us 20] [--top 25]
 
-`benchmarks/step.py --trace DIR` writes such traces and prints this summary of each. Python tracing slows the
-host, so the gaps are longer than in an untraced run; where they fall is the point.
+`benchmarks/step.py --trace DIR` writes such traces (`--trace-stacks`: with Python stacks) and prints this summary
+of each. Python tracing slows the host so much that it moves the gaps (docs/BENCHMARKS.md, fourteenth session):
+the named ranges alone cost far less.
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ import bisect
 import gzip
 import json
 import re
+import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tandem.profiling import PREFIX  # noqa: E402
 
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 # a host thread's own events; the CUDA runtime and driver calls among them show where it blocked or allocated
@@ -30,6 +38,8 @@ NO_PROJECT = "(no project frame)"
 
 
 def is_project(name: str, cat: str) -> bool:
+    if cat == "user_annotation":
+        return name.startswith(PREFIX)
     m = FRAME.match(name) if cat == "python_function" else None
     if m is None:
         return False

@@ -59,3 +59,30 @@ def test_no_device_work(tmp_path):
     trace["traceEvents"] = [e for e in trace["traceEvents"] if e["cat"] != "kernel"]
     path.write_text(json.dumps(trace))
     assert "no device work" in summarize(str(path))
+
+
+def test_named_ranges_are_project_frames(tmp_path):
+    """A trace without Python stacks: the engine's named ranges (tandem/profiling.py) take the gaps; other
+    annotations (the profiler's own step ranges) do not."""
+    ev = []
+
+    def x(cat, name, ts, end):
+        ev.append({"ph": "X", "cat": cat, "name": name, "pid": 9 if cat == "kernel" else 1,
+                   "tid": 7 if cat == "kernel" else 1, "ts": T0 + ts, "dur": end - ts})
+
+    x("user_annotation", "ProfilerStep#0", 0, 1000)
+    x("user_annotation", "tandem.Engine.step", 0, 1000)
+    x("user_annotation", "tandem.Scheduler.schedule", 10, 200)
+    x("user_annotation", "tandem.core.recurrence", 300, 700)
+    x("cpu_op", "aten::empty", 500, 520)
+    x("user_annotation", "tandem.sample", 800, 990)
+    for a, b in [(0, 40), (210, 400), (450, 800), (960, 1000)]:  # idle 40-210, 400-450, 800-960
+        x("kernel", f"k{a}", a, b)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    rest = summarize(str(path), min_us=20).partition("\n")[2]
+    table = rest.split("longest gaps")[0]
+    rows = {line.split()[2]: line.split()[:2] for line in table.splitlines() if line.strip()[:1].isdigit()}
+    assert rows == {"tandem.Scheduler.schedule": ["0.170", "1"], "tandem.core.recurrence": ["0.050", "1"],
+                    "tandem.sample": ["0.160", "1"]}
+    assert "tandem.Engine.step > tandem.core.recurrence" in rest.split("longest gaps")[1]

@@ -27,6 +27,7 @@ from tandem.cache.pools import CachePools
 from tandem.config import EngineConfig
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.model.batch import ForwardBatch
+from tandem.profiling import traced
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -128,6 +129,7 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------------------------------ steps
 
+    @traced
     def verify(self, chunks: list[ScheduledChunk], forced: list[list[bool]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs the target over the chunks' rows (each [last, drafts...]); returns (hidden, logits) of the real
         rows, [len(chunks)*q, H] and [len(chunks)*q, V]. Advances num_computed by q. `forced[i][j]`: request i's
@@ -158,6 +160,7 @@ class DecodeGraphs:
         hidden, logits = self.verify_graphs[B].replay()
         return hidden[: n_req * q], logits[: n_req * q]
 
+    @traced
     def accept_and_draft(self, tokens: torch.Tensor) -> tuple[list[int], list[int], list[list[int]]]:
         """After `verify` of the same requests, `tokens` [n*q] the token sampled at each of their rows (on the
         device): acceptance and the next drafts run on the device, then one copy brings everything to the host.

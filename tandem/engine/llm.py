@@ -27,6 +27,7 @@ from tandem.model.presets import PRESETS, preset_config, random_model
 from tandem.ops.attention import DECODE_MAX_Q
 from tandem.ops.fp8 import DECODE_MAX_ROWS
 from tandem.parallel import SINGLE, LeaderModel, TPGroup, check_divisible, launch
+from tandem.profiling import traced
 from tandem.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -271,6 +272,7 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @traced
     def step(self) -> list[Sequence]:
         """Runs one step; returns the sequences that finished in it. A step of decode requests (past their
         prompt) alone runs their fixed-shape forward (a CUDA graph when enabled); a step of prompt chunks, with or
@@ -293,6 +295,7 @@ class Engine:
         self._draft(todo, hidden)  # one pass of the MTP head for the decode requests and the prompts
         return finished
 
+    @traced
     def _draft(self, todo: "_Drafts", hidden: torch.Tensor) -> None:
         if todo.items:
             drafts = draft(self.runner.model, self.runner, self.pools, todo.items, hidden[todo.rows], todo.drafting,
@@ -323,6 +326,7 @@ class Engine:
         return [[rates is not None and self._emulation_rng.random() < rates[j] for j in range(len(c.seq.drafts))]
                 for c in chunks]
 
+    @traced
     def _prefilled(self, chunks, hidden: torch.Tensor, qsl: list[int], todo: "_Drafts") -> list[Sequence]:
         """Prompt chunks after the step's forward (`hidden` its rows, chunk i's from qsl[i] to qsl[i + 1]): a
         request whose prompt completes samples its first token at its last row; with MTP, every row whose next
@@ -391,6 +395,7 @@ class Engine:
         self._draft(todo, hidden)
         return finished
 
+    @traced
     def _verified(self, chunks, logits: torch.Tensor, forced, drafted: bool, todo: "_Drafts") -> list[Sequence]:
         """Decode requests after the step's forward (their rows first in it, `logits` theirs): every row is
         sampled in one batch (row j of a request in the context of its first j drafts), drafts are kept while they

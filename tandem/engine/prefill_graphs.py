@@ -33,6 +33,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.model.batch import ForwardBatch
 from tandem.model.qwen3_5 import Core
+from tandem.profiling import phase
 
 
 # Steps of more rows run eagerly: they are bound by the device anyway, and the graphs' memory grows with T
@@ -114,11 +115,13 @@ class PrefillGraphs:
             return self._run_uncaptured(n, batch, T)[:T].clone()
         p = self.pieces[n]
         for i, (graph, core, out) in enumerate(zip(p.graphs, p.cores, p.outs)):
-            graph.replay()
+            with phase("graph"):
+                graph.replay()
             if i == 0 and on_launch is not None:
                 on_launch()
             core(batch, rows=T, out=out[:T])
-        p.graphs[-1].replay()
+        with phase("graph"):
+            p.graphs[-1].replay()
         return p.hidden[:T].clone()
 
     def capture_all(self) -> None:

@@ -13,6 +13,7 @@ from tandem.engine.scheduler import ScheduledChunk
 from tandem.engine.sequence import Sequence
 from tandem.model.batch import ForwardBatch, to_device
 from tandem.model.qwen3_5 import Qwen3_5ForCausalLM
+from tandem.profiling import traced
 
 
 class ModelRunner:
@@ -27,6 +28,7 @@ class ModelRunner:
                                  (c.seq.token_ids + c.seq.drafts)[c.seq.num_computed : c.seq.num_computed + c.num_tokens])
                                 for c in chunks])
 
+    @traced
     def rows_batch(self, items: list[tuple[Sequence, int, list[int]]]) -> ForwardBatch:
         """A batch of (sequence, first position, token ids) triples; the rows of each sit at consecutive positions."""
         dev, bs = self.ecfg.device, self.ecfg.block_size
@@ -63,6 +65,7 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
         )
 
+    @traced
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk], on_launch=None) -> tuple[ForwardBatch, torch.Tensor]:
         """Runs the target over the chunks; returns the batch and the final hidden state of every row [T, H].

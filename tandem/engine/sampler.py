@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tandem.model.batch import to_device
+from tandem.profiling import traced
 
 
 def _upload(values: list, dtype: torch.dtype, device) -> torch.Tensor:
@@ -72,6 +73,7 @@ def draw_noise(vocab: int, generator: torch.Generator, device) -> torch.Tensor:
     return torch.empty(vocab, device=device).exponential_(generator=generator)
 
 
+@traced
 def sample(logits: torch.Tensor, seqs, generators: dict[str, torch.Generator]):
     """logits: fp32 [B, V]; seqs: one Sequence (or a view with the same fields) per row. Returns (token ids [B],
     per-row logprob dicts). Greedy rows take the argmax and draw no noise."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from tandem.cache.pools import CachePools
 from tandem.config import EngineConfig
 from tandem.engine.sequence import Sequence, Status
+from tandem.profiling import traced
 
 
 @dataclass
@@ -94,6 +95,7 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
+    @traced
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.ecfg.max_num_batched_tokens
         chunks = []

@@ -42,6 +42,7 @@ from tandem.ops.norm import add_rms_norm_1p, gated_rms_norm, rms_norm_1p
 from tandem.ops.pointwise import sigmoid_gate, silu_mul
 from tandem.ops.rope import inv_frequencies, qk_norm_rope_write_kv, rope_tables
 from tandem.parallel import SINGLE, Split, TPGroup
+from tandem.profiling import phase
 
 
 @dataclass
@@ -60,7 +61,8 @@ class Core:
     def __call__(self, batch: ForwardBatch, rows: int | None = None, out=None):
         """On the first `rows` rows of the inputs (all when None)."""
         inputs = self.inputs if rows is None else tuple(t[:rows] for t in self.inputs)
-        return self.fn(*inputs, batch, *self.cache, out=out)
+        with phase("core." + self.fn.__name__):
+            return self.fn(*inputs, batch, *self.cache, out=out)
 
 
 def run_cores(steps: Generator, batch: ForwardBatch):
