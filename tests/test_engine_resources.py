@@ -94,3 +94,21 @@ def test_warm_up_frees_everything_and_changes_no_output(prefill_only, max_model_
         return seq.output_token_ids, seq.drafts
 
     assert first_tokens(True) == first_tokens(False)
+
+
+def test_handed_out_slots_start_empty_in_every_gdn_layer():
+    """The GDN layers' states are parts of two shared tensors (one launch each zeroes a slot everywhere): a slot
+    handed out is zero in every layer, every other slot keeps its contents, and each layer's state is its own
+    memory, 16-byte aligned as a separate allocation would be."""
+    eng = engine(max_num_seqs=4)
+    gdn = [c for c, t in zip(eng.pools.layer_caches, eng.cfg.layer_types) if t == "linear_attention"]
+    assert len(gdn) >= 2
+    for i, (conv, rec, _) in enumerate(gdn):
+        conv.fill_(i + 1)
+        rec.fill_(-(i + 1))
+    slot, = eng.pools.allocate_slots(1)
+    for i, (conv, rec, _) in enumerate(gdn):
+        assert conv.data_ptr() % 16 == 0 and rec.data_ptr() % 16 == 0 and conv.is_contiguous()
+        assert not conv[slot].any() and not rec[slot].any()
+        others = [s for s in range(conv.shape[0]) if s != slot]
+        assert (conv[others] == i + 1).all() and (rec[others] == -(i + 1)).all()

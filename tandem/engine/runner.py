@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 from tandem.cache.pools import CachePools
@@ -31,33 +32,36 @@ class ModelRunner:
     @traced
     def rows_batch(self, items: list[tuple[Sequence, int, list[int]]]) -> ForwardBatch:
         """A batch of (sequence, first position, token ids) triples; the rows of each sit at consecutive positions."""
-        dev, bs = self.ecfg.device, self.ecfg.block_size
-        # built while the device waits for the step (a traced mixed step: docs/BENCHMARKS.md, thirteenth session),
-        # so one tensor per field from Python lists, and repeat_interleave told its output size
-        lens = [len(toks) for _, _, toks in items]
-        rows = sum(lens)
-        starts, lens_t = torch.tensor([p for _, p, _ in items]), torch.tensor(lens)
-        qsl = torch.tensor([0] + lens).cumsum(0)
-        seq_lens = starts + lens_t
+        dev, bs, n = self.ecfg.device, self.ecfg.block_size, len(items)
+        # built while the device waits for the step (a traced mixed step: docs/BENCHMARKS.md, thirteenth and
+        # fourteenth sessions), so in numpy: from Python lists 3-4x faster than torch.tensor, and its ops cheaper
+        def ints(values, count=n):
+            return np.fromiter(values, np.int64, count)
+
+        lens = ints(len(toks) for _, _, toks in items)
+        starts = ints(p for _, p, _ in items)
+        qsl = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        rows = int(qsl[-1])
+        seq_lens = starts + lens
         # positions: start of each request plus the offset of each row inside its chunk
-        row_req = torch.repeat_interleave(torch.arange(len(items)), lens_t, output_size=rows)
-        positions = starts[row_req] + torch.arange(rows) - qsl[:-1][row_req]
+        row_req = np.repeat(np.arange(n), lens)
+        positions = starts[row_req] + np.arange(rows) - qsl[:-1][row_req]
         width = max(len(seq.block_ids) for seq, _, _ in items)
-        tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids)) for seq, _, _ in items],
-                              dtype=torch.long)
+        tables = ints(itertools.chain.from_iterable(seq.block_ids + [0] * (width - len(seq.block_ids))
+                                                    for seq, _, _ in items), n * width).reshape(n, width)
         slot_mapping = tables[row_req, positions // bs] * bs + positions % bs
         # with speculation, a decode request's rows (its last token and drafts) stay pending in the GDN layers
         # until its acceptance is known (`Sequence.kept`); prompt rows are committed
         spec = self.ecfg.num_speculative_tokens > 0
-        pending = [seq.pending(spec and p >= len(seq.prompt_token_ids)) for seq, p, _ in items]
+        pending = ints(itertools.chain.from_iterable(seq.pending(spec and p >= len(seq.prompt_token_ids))
+                                                     for seq, p, _ in items), 2 * n).reshape(n, 2)
         # all int64, as in the decode graphs' buffers: the kernels then compile one variant for both
         (input_ids, positions_d, slot_mapping_d, state_slots, state_replay, state_pending, logits_indices, qsl_d,
          seq_lens_d, tables_d) = to_device(
-            dev, torch.tensor(list(itertools.chain.from_iterable(toks for _, _, toks in items)), dtype=torch.long),
-            positions, slot_mapping,
-            torch.tensor([seq.state_slots[0] for seq, _, _ in items]),
-            torch.tensor([seq.pending_rows for seq, _, _ in items]), torch.tensor(pending), qsl[1:] - 1, qsl,
-            seq_lens, tables)
+            dev, ints(itertools.chain.from_iterable(toks for _, _, toks in items), rows), positions, slot_mapping,
+            ints(seq.state_slots[0] for seq, _, _ in items), ints(seq.pending_rows for seq, _, _ in items), pending,
+            qsl[1:] - 1, qsl, seq_lens, tables)
         return ForwardBatch(
             input_ids=input_ids, positions=positions_d, query_start_loc=qsl_d, seq_lens=seq_lens_d,
             block_tables=tables_d, slot_mapping=slot_mapping_d, state_slots=state_slots, state_replay=state_replay,
