@@ -13,12 +13,19 @@ from trace_gaps import summarize  # noqa: E402
 T0 = 1_000_000.0  # absolute microseconds, as real traces have
 
 
-def _trace() -> dict:
-    ev = []
+def _recorder(ev: list):
+    """x(cat, name, start, end, tid): appends a complete event, times in microseconds from T0; kernels on pid 9."""
 
     def x(cat, name, ts, end, tid=1):
         ev.append({"ph": "X", "cat": cat, "name": name, "pid": 9 if cat == "kernel" else 1, "tid": tid,
                    "ts": T0 + ts, "dur": end - ts})
+
+    return x
+
+
+def _trace() -> dict:
+    ev = []
+    x = _recorder(ev)
 
     # the engine's thread: a step that schedules, then runs a forward with a GDN core inside
     x("python_function", "tandem/engine/llm.py(274): step", 0, 1000)
@@ -65,11 +72,7 @@ def test_named_ranges_are_project_frames(tmp_path):
     """A trace without Python stacks: the engine's named ranges (tandem/profiling.py) take the gaps; other
     annotations (the profiler's own step ranges) do not."""
     ev = []
-
-    def x(cat, name, ts, end):
-        ev.append({"ph": "X", "cat": cat, "name": name, "pid": 9 if cat == "kernel" else 1,
-                   "tid": 7 if cat == "kernel" else 1, "ts": T0 + ts, "dur": end - ts})
-
+    x = _recorder(ev)
     x("user_annotation", "ProfilerStep#0", 0, 1000)
     x("user_annotation", "tandem.Engine.step", 0, 1000)
     x("user_annotation", "tandem.Scheduler.schedule", 10, 200)
@@ -77,7 +80,7 @@ def test_named_ranges_are_project_frames(tmp_path):
     x("cpu_op", "aten::empty", 500, 520)
     x("user_annotation", "tandem.sample", 800, 990)
     for a, b in [(0, 40), (210, 400), (450, 800), (960, 1000)]:  # idle 40-210, 400-450, 800-960
-        x("kernel", f"k{a}", a, b)
+        x("kernel", f"k{a}", a, b, tid=7)
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": ev}))
     rest = summarize(str(path), min_us=20).partition("\n")[2]
