@@ -22,6 +22,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec import SpecStats, VerifyRow, draft
 from tandem.engine.sequence import Sequence, Status
+from tandem.model.batch import take_rows
 from tandem.model.loader import load_checkpoint
 from tandem.model.presets import PRESETS, preset_config, random_model
 from tandem.ops.attention import DECODE_MAX_Q
@@ -298,8 +299,8 @@ class Engine:
     @traced
     def _draft(self, todo: "_Drafts", hidden: torch.Tensor) -> None:
         if todo.items:
-            drafts = draft(self.runner.model, self.runner, self.pools, todo.items, hidden[todo.rows], todo.drafting,
-                           self.ecfg.num_speculative_tokens)
+            drafts = draft(self.runner.model, self.runner, self.pools, todo.items, take_rows(hidden, todo.rows),
+                           todo.drafting, self.ecfg.num_speculative_tokens)
             for (seq, _, _), d in zip(todo.items, drafts):
                 seq.drafts = d
 
@@ -336,7 +337,7 @@ class Engine:
             self._prompt_logprobs(chunks, hidden, qsl)
         done = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
         if done:
-            tokens, lps = sample(model.compute_logits(hidden[[qsl[i + 1] - 1 for i in done]]),
+            tokens, lps = sample(model.compute_logits(take_rows(hidden, [qsl[i + 1] - 1 for i in done])),
                                  [chunks[i].seq for i in done], self.generators)
             first = dict(zip(done, zip(tokens.tolist(), lps)))
         finished = []
@@ -373,7 +374,7 @@ class Engine:
         model = self.runner.model
         for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
             idx, tgt, own = (x[s : s + PROMPT_LOGPROB_ROWS] for x in (rows, targets, owners))
-            lp = model.compute_logits(hidden[idx]).log_softmax(-1)
+            lp = model.compute_logits(take_rows(hidden, idx)).log_softmax(-1)
             for seq, d in zip(own, top_logprobs(lp, tgt, [seq.params.prompt_logprobs for seq in own])):
                 seq.prompt_logprobs.append(d)
 

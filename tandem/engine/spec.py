@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.model.batch import take_rows
+
 
 @dataclass
 class SpecStats:
@@ -74,7 +76,8 @@ def draft(model, runner, pools, items, hidden_rows: torch.Tensor, drafting: list
     which = [i for i, d in enumerate(drafting) if d]
     if not which:
         return [[] for _ in items]
-    last = out[batch.logits_indices[which]]
+    qsl = batch.query_start_loc_cpu
+    last = take_rows(out, [qsl[i + 1] - 1 for i in which])  # each drafting request's last row
     tokens = [model.draft_tokens(last)]
     seqs = [items[i][0] for i in which]
     next_pos = [items[i][1] + len(items[i][2]) for i in which]
