@@ -26,13 +26,9 @@ def phase(name: str):
 
 def traced(fn):
     """Decorator: each call of fn is the range `tandem.<its qualified name>` while a profiler runs."""
-    name = PREFIX + fn.__qualname__
-
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if not torch.autograd._profiler_enabled():
-            return fn(*args, **kwargs)
-        with torch.profiler.record_function(name):
+        with phase(fn.__qualname__):
             return fn(*args, **kwargs)
 
     return wrapper

@@ -73,7 +73,7 @@ class CachePools:
 def _stacked(n: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """Zeros [n, *shape] whose n parts each start 16-byte aligned, as separate allocations do: Triton specialises
     its kernels on pointer alignment, so a misaligned layer would compile variants of its own."""
-    align = 16 // torch.empty(0, dtype=dtype).element_size()
+    align = 16 // dtype.itemsize
     part = -(-math.prod(shape) // align) * align
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     return torch.zeros(n * part, dtype=dtype, device=device).as_strided((n, *shape), (part, *strides))

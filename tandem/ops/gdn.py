@@ -38,7 +38,6 @@ rows may share the null slot, whose contents are garbage anyway).
 """
 
 import itertools
-import os
 from typing import NamedTuple
 
 import torch
@@ -48,11 +47,6 @@ from tandem.model.batch import ForwardBatch, to_device
 from tandem.ops.pointwise import gdn_gates, gdn_gates_torch
 from tandem.ops.triton_utils import HAS_TRITON, use_triton
 
-# fla routes each function of its chunked path through a backend dispatch wrapper (a torch.compiler.disable call
-# and a loop over its NPU, TileLang and context-parallel backends, none of which serves our forward on an NVIDIA
-# GPU): six a call, host time in a part of the prefill step that is bound by the host (docs/BENCHMARKS.md,
-# thirteenth session). Its own switch turns them off; it is read when fla is first imported.
-os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
 try:  # optional GPU dependency (fla-core): the chunked prefill kernel
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_gated_delta_rule
     from fla.ops.utils.index import prepare_chunk_indices as _fla_chunk_indices
