@@ -80,14 +80,19 @@ def main():
     print(f"output tokens {out_tokens} in {total:.2f} s: {out_tokens / total:.1f} output tok/s, "
           f"{(out_tokens + args.num_prompts * args.input_len) / total:.1f} total tok/s")
     print(f"{'class':<8} {'steps':>6} {'seconds':>8} {'share':>6} {'mean ms':>8} {'p50 ms':>8} {'max ms':>8} "
-          f"{'decodes':>8} {'prompt tok':>10}")
+          f"{'decodes':>8} {'prompt tok':>10} {'ms/1k prompt':>12}")
     for kind, rows in steps.items():
         if not rows:
             continue
         ms = [r[0] * 1e3 for r in rows]
         print(f"{kind:<8} {len(rows):>6} {sum(ms) / 1e3:>8.2f} {sum(ms) / 1e3 / total:>6.1%} "
               f"{statistics.mean(ms):>8.2f} {statistics.median(ms):>8.2f} {max(ms):>8.2f} "
-              f"{statistics.mean(r[1] for r in rows):>8.1f} {statistics.mean(r[2] for r in rows):>10.1f}")
+              f"{statistics.mean(r[1] for r in rows):>8.1f} {statistics.mean(r[2] for r in rows):>10.1f} "
+              + (f"{sum(ms) / sum(r[2] for r in rows) * 1e3:>12.2f}" if kind != "decode" else ""))
+    mixed = steps["mixed"]
+    if len({r[2] for r in mixed}) > 1:  # what a mixed step costs beyond its decode rows, per prompt token
+        fit = statistics.linear_regression([r[2] / 1e3 for r in mixed], [r[0] * 1e3 for r in mixed])
+        print(f"mixed steps, least squares: {fit.intercept:.2f} ms + {fit.slope:.2f} ms per 1k prompt tokens")
 
 
 if __name__ == "__main__":

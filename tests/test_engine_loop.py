@@ -64,3 +64,38 @@ def test_a_queued_call_runs_after_the_outputs_deferred_before_it():
 
     run(eng, "call", on_loop=defer_then_call)
     assert eng.events == ["out", "call"]
+
+
+def test_the_engine_hands_outputs_over_once_its_whole_forward_is_launched():
+    """The hook fires once per step, after the forward (of prompt chunks, decode rows or both) has been launched,
+    which is when `ModelRunner.forward` has advanced every chunk's computed rows, and before the step's tokens."""
+    import torch
+
+    from tandem.config import EngineConfig
+    from tandem.engine.llm import Engine
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.model.presets import preset_config, random_model
+
+    cfg = preset_config("tiny-moe")
+    eng = Engine(cfg, random_model(cfg, "cpu", torch.float32),
+                 EngineConfig(block_size=4, max_model_len=64, max_num_batched_tokens=12, num_speculative_tokens=2))
+    seen = []
+
+    def hook():
+        seqs = list(eng.sequences.values())
+        seen.append(([s.num_computed for s in seqs], [len(s.output_token_ids) for s in seqs]))
+
+    eng.on_launch = hook
+    eng.add_request("a", list(range(2, 12)), SamplingParams(max_tokens=4, ignore_eos=True))
+    kinds = []
+    for _ in range(3):
+        before = [(s.num_computed, len(s.output_token_ids)) for s in eng.sequences.values()]
+        eng.step()
+        if eng.last_step.decodes == 0:  # "a" alone prefills: its 10 prompt rows fit the budget of 12
+            eng.add_request("b", list(range(3, 15)), SamplingParams(max_tokens=4, ignore_eos=True))
+        kinds.append(eng.last_step.kind)
+        computed, outputs = seen[-1]
+        assert len(seen) == len(kinds)  # once a step
+        assert outputs == [n for _, n in before][: len(outputs)]  # no token of this step yet
+        assert all(c > b for c, (b, _) in zip(computed, before))  # every scheduled chunk launched
+    assert kinds[:2] == ["prefill", "mixed"]

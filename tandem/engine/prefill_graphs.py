@@ -97,10 +97,9 @@ class PrefillGraphs:
             logits_indices=torch.tensor([n - 1], device=dev), query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, on_launch=None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The model over `batch` (at most the largest bucket's rows) -> final hidden states [T, H], a tensor of
-        its own (the static output is overwritten by the next step). `on_launch()` runs once the first graph is
-        on the device (at the start on a CPU)."""
+        its own (the static output is overwritten by the next step)."""
         T = batch.input_ids.shape[0]
         n = self.bucket_for(T)
         if self.capture and n not in self.pieces:  # before filling: capturing runs on the null slot only
@@ -110,15 +109,11 @@ class PrefillGraphs:
         self.slot_mapping[:T].copy_(batch.slot_mapping)
         self.slot_mapping[T:n].zero_()  # padding rows: KV to the null slot
         if not self.capture:
-            if on_launch is not None:
-                on_launch()
             return self._run_uncaptured(n, batch, T)[:T].clone()
         p = self.pieces[n]
-        for i, (graph, core, out) in enumerate(zip(p.graphs, p.cores, p.outs)):
+        for graph, core, out in zip(p.graphs, p.cores, p.outs):
             with phase("graph"):
                 graph.replay()
-            if i == 0 and on_launch is not None:
-                on_launch()
             core(batch, rows=T, out=out[:T])
         with phase("graph"):
             p.graphs[-1].replay()

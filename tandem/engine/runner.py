@@ -71,17 +71,14 @@ class ModelRunner:
 
     @traced
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk], on_launch=None) -> tuple[ForwardBatch, torch.Tensor]:
+    def forward(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, torch.Tensor]:
         """Runs the target over the chunks; returns the batch and the final hidden state of every row [T, H].
-        Advances num_computed by each chunk's length (a verify step then rewinds the rejected rows).
-        `on_launch()` runs once the first piecewise graph is on the device (before an eager forward)."""
+        Advances num_computed by each chunk's length (a verify step then rewinds the rejected rows)."""
         batch = self.build_batch(chunks)
         graphs = self.prefill_graphs
         if graphs is not None and graphs.fits(batch.query_start_loc_cpu[-1]):
-            hidden = graphs.forward(batch, on_launch)
+            hidden = graphs.forward(batch)
         else:
-            if on_launch is not None:
-                on_launch()
             hidden = self.model(batch, self.pools.layer_caches)
         for c in chunks:
             c.seq.num_computed += c.num_tokens
