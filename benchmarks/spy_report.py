@@ -4,6 +4,7 @@ thread goes to the first phase whose function is on its stack, and the GDN and a
 a mixed step's launch. With a `--gil` file too, who held the GIL: the engine thread or the server's threads.
 
     python3 benchmarks/spy_report.py IDLE_RAW [GIL_RAW]
+    python3 benchmarks/spy_report.py --thread MainThread OFFLINE_RAW   # benchmarks/offline.py's engine, unserved
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ def samples(path: str):
             yield thread, [m.group(1) if (m := _FRAME.match(fr)) else fr for fr in frames], int(count)
 
 
-def engine_phases(path: str) -> tuple[Counter, Counter, int]:
+def engine_phases(path: str, engine_thread: str = ENGINE_THREAD) -> tuple[Counter, Counter, int]:
     """The engine thread's samples by phase, the cores' samples inside the forward launches, and the total."""
     phases, cores, total = Counter(), Counter(), 0
     for thread, functions, n in samples(path):
-        if ENGINE_THREAD not in thread:
+        if engine_thread not in thread:
             continue
         total += n
         on_stack = set(functions)
@@ -55,10 +56,10 @@ def engine_phases(path: str) -> tuple[Counter, Counter, int]:
     return phases, cores, total
 
 
-def gil_holders(path: str) -> Counter:
+def gil_holders(path: str, engine_thread: str = ENGINE_THREAD) -> Counter:
     holders = Counter()
     for thread, _, n in samples(path):
-        holders["engine thread" if ENGINE_THREAD in thread else "other threads (gRPC, server)"] += n
+        holders["engine thread" if engine_thread in thread else "other threads (gRPC, server)"] += n
     return holders
 
 
@@ -66,8 +67,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("idle", help="py-spy raw output recorded with --threads --idle")
     ap.add_argument("gil", nargs="?", help="py-spy raw output recorded with --threads --gil")
+    ap.add_argument("--thread", default=ENGINE_THREAD, help="the engine's thread (default: a serving worker's)")
     a = ap.parse_args()
-    phases, cores, total = engine_phases(a.idle)
+    phases, cores, total = engine_phases(a.idle, a.thread)
     print(f"engine thread: {total} samples")
     for name, n in phases.most_common():
         print(f"  {name:<46} {n:>6} {n / max(1, total):>6.1%}")
@@ -75,7 +77,7 @@ def main() -> None:
     for name, n in cores.items():
         print(f"    of the forward launches, {name:<20} {n:>6} {n / max(1, launch):>6.1%}")
     if a.gil:
-        holders = gil_holders(a.gil)
+        holders = gil_holders(a.gil, a.thread)
         held = sum(holders.values())
         print(f"GIL held in {held} samples")
         for name, n in holders.most_common():
