@@ -288,8 +288,7 @@ class Engine:
         forced = self._emulated(decode)
         batch, hidden = self.runner.forward(decode + prefill)
         # the earlier step's outputs go out only now: the woken stream threads would take the GIL between this
-        # host-bound forward's launches (served mixed steps on the H200: 108 ms with them out after the first
-        # graph, 95 ms after the whole launch, 70 ms with no server at all)
+        # host-bound forward's launches (served FP8 mixed steps on the H200: ~9 ms a step)
         self._launched()
         n, todo = sum(c.num_tokens for c in decode), _Drafts()  # decode rows come first
         finished = self._verified(decode, self.runner.model.compute_logits(hidden[:n]), forced, False,

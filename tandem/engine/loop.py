@@ -12,7 +12,7 @@ streams that send them -- until the next step has put its whole forward on the d
 until the loop runs a call, goes idle or stops. The woken RPC threads then take the GIL while the device computes,
 not while the engine thread prepares or launches the next step, when the device waits for the host (served decode
 steps at batch 32 on the H200 were ~2 ms slower than in `benchmarks/step.py` with 32 stream threads woken at each
-one's start; served mixed steps, whose forward launch is host-bound, 13 ms slower with them woken after its first
+one's start; served mixed steps, whose forward launch is host-bound, ~9 ms slower with them woken after its first
 piecewise graph).
 """
 
