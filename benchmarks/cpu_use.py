@@ -1,6 +1,7 @@
 """CPU time of processes and their threads over a window, from /proc: which threads of a serving run (the decode
 worker's engine thread and server threads, the router, the benchmark client) keep cores busy, and whether the host
-has cores to spare. `h200_session.sh serve` runs it with CPU=seconds.
+has cores to spare (an engine's thread is named `engine-loop` in the OS too). `h200_session.sh serve` runs it
+with CPU=seconds.
 
     python3 benchmarks/cpu_use.py --seconds 5 PID [PID ...]
 """

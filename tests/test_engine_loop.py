@@ -99,3 +99,16 @@ def test_the_engine_hands_outputs_over_once_its_whole_forward_is_launched():
         assert outputs == [n for _, n in before][: len(outputs)]  # no token of this step yet
         assert all(c > b for c, (b, _) in zip(computed, before))  # every scheduled chunk launched
     assert kinds[:2] == ["prefill", "mixed"]
+
+
+def test_the_loop_thread_carries_its_name_in_the_os():
+    """Per-thread CPU figures (/proc, top -H, benchmarks/cpu_use.py) can tell the engine's thread apart."""
+    import threading
+
+    loop = EngineLoop(FakeEngine(0), lambda active, finished: None, lambda exc, active: None, idle_wait=0.01).start()
+    try:
+        comm = loop.call(lambda engine: open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip(),
+                         timeout=10)
+    finally:
+        loop.stop()
+    assert comm == "engine-loop"
