@@ -1,10 +1,17 @@
 """EngineLoop's deferred hand-offs: what `after_step` defers runs once the next step has launched its forward
 (`Engine.on_launch`), or before a queued call, or when the loop goes idle -- never lost, never reordered."""
 
+import threading
 import time
 from types import SimpleNamespace
 
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.llm import Engine
 from tandem.engine.loop import EngineLoop
+from tandem.engine.sampling_params import SamplingParams
+from tandem.model.presets import preset_config, random_model
 
 
 class FakeEngine:
@@ -69,13 +76,6 @@ def test_a_queued_call_runs_after_the_outputs_deferred_before_it():
 def test_the_engine_hands_outputs_over_once_its_whole_forward_is_launched():
     """The hook fires once per step, after the forward (of prompt chunks, decode rows or both) has been launched,
     which is when `ModelRunner.forward` has advanced every chunk's computed rows, and before the step's tokens."""
-    import torch
-
-    from tandem.config import EngineConfig
-    from tandem.engine.llm import Engine
-    from tandem.engine.sampling_params import SamplingParams
-    from tandem.model.presets import preset_config, random_model
-
     cfg = preset_config("tiny-moe")
     eng = Engine(cfg, random_model(cfg, "cpu", torch.float32),
                  EngineConfig(block_size=4, max_model_len=64, max_num_batched_tokens=12, num_speculative_tokens=2))
@@ -103,8 +103,6 @@ def test_the_engine_hands_outputs_over_once_its_whole_forward_is_launched():
 
 def test_the_loop_thread_carries_its_name_in_the_os():
     """Per-thread CPU figures (/proc, top -H, benchmarks/cpu_use.py) can tell the engine's thread apart."""
-    import threading
-
     loop = EngineLoop(FakeEngine(0), lambda active, finished: None, lambda exc, active: None, idle_wait=0.01).start()
     try:
         comm = loop.call(lambda engine: open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip(),

@@ -388,11 +388,10 @@ class Engine:
         forced = self._emulated(chunks)
         if use_graph:
             hidden, logits = graphs.verify(chunks, forced)
-            self._launched()
         else:
             _, hidden = self.runner.forward(chunks)
-            self._launched()
             logits = model.compute_logits(hidden)
+        self._launched()
         todo = _Drafts()
         finished = self._verified(chunks, logits, forced, drafted, todo)
         self._draft(todo, hidden)

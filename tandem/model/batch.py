@@ -59,6 +59,6 @@ def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] for a host list of rows, without waiting for the device: indexing by a Python list copies the
     index from pageable memory, which waits for every queued kernel first (three such waits a mixed step, each
     letting the device run dry while the host catches up: docs/BENCHMARKS.md, fourteenth session)."""
-    idx, = to_device(x.device, np.asarray(rows, dtype=np.int64).reshape(-1))
+    idx, = to_device(x.device, np.asarray(rows, dtype=np.int64))
     return x.index_select(0, idx)
 
