@@ -20,6 +20,9 @@ def add_args(ap) -> None:
     ap.add_argument("--transfer-port", type=int, default=50063, help="hand-off listener port (0: any free port)")
     ap.add_argument("--lease-seconds", type=float, default=60.0,
                     help="how long a lease waits for its hand-off or its colocated prefill (and then for its stream)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="send a request's tokens once this many have come (and when it ends), not after every "
+                    "step: fewer messages a step for the worker's threads to send, burstier streams")
     add_tls_args(ap)
 
 
@@ -33,6 +36,7 @@ def main(args) -> int:
     prepare_engine(engine)  # it may prefill too (colocated serving)
     worker = DecodeWorker(engine, fingerprint(args), args.host, args.transfer_port,
                           advertise_host(args), lease_seconds=args.lease_seconds, metrics=metrics,
+                          stream_interval=args.stream_interval,
                           ssl_context=tls.server_context() if tls else None).start()
     server = Server(tls=tls)
     server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, worker,

@@ -74,8 +74,11 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
     """Serves the DecodeWorker service, and the PrefillWorker service's Prefill for its own leases (colocated)."""
 
     def __init__(self, engine, fingerprint: str, transfer_host: str, transfer_port: int, advertise_host: str,
-                 lease_seconds: float = 30.0, metrics=None, ssl_context=None):
+                 lease_seconds: float = 30.0, metrics=None, ssl_context=None, stream_interval: int = 1):
         self.engine, self.fingerprint, self.lease_seconds, self.metrics = engine, fingerprint, lease_seconds, metrics
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         self._lock = threading.Lock()
         self._by_request: dict[str, LeaseRecord] = {}
         self._by_lease: dict[str, LeaseRecord] = {}
@@ -273,9 +276,11 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
                 if seq.status == Status.FINISHED:
                     continue
             new = seq.output_token_ids[rec.emitted:]
+            done = seq.finish_reason if seq.status == Status.FINISHED else None
+            if len(new) < self.stream_interval and not done:
+                continue  # held back until the stream interval's worth has come (or the request ends)
             lps = seq.output_logprobs[rec.emitted:] if seq.params.logprobs is not None else []
             rec.emitted = len(seq.output_token_ids)
-            done = seq.finish_reason if seq.status == Status.FINISHED else None
             if self.metrics is not None:
                 self.metrics.generation_tokens_total.inc(len(new))
                 if done:

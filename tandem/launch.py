@@ -150,6 +150,8 @@ def serve(args) -> int:
                     argv += ["--transfer-port", "0"]
                     if args.lease_seconds is not None:
                         argv += ["--lease-seconds", str(args.lease_seconds)]
+                    if args.stream_interval is not None:
+                        argv += ["--stream-interval", str(args.stream_interval)]
                 else:
                     argv += ["--transfer-backend", args.transfer_backend]
                     if _fault_for(args.inject_fault, i):
@@ -256,6 +258,7 @@ def add_args(ap) -> None:
     ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers; FAULT@i: "
                     "prefill worker i only)")
     ap.add_argument("--lease-seconds", type=float, default=None, help="the decode workers' --lease-seconds")
+    ap.add_argument("--stream-interval", type=int, default=None, help="the decode workers' --stream-interval")
     ap.add_argument("--restart-workers", action="store_true",
                     help="restart a worker that dies, on the same ports (default: a dead child stops everything)")
     ap.add_argument("--max-queued-requests", type=int, default=None, help="the router's --max-queued-requests")
