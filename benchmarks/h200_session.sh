@@ -68,6 +68,15 @@ clocks_report() {  # name
              n, c/n, m, p/n, l, t}' "$OUT/$1.smi.csv" | sed "s/^/[$1] /"
 }
 
+run_started() {  # bench output file -> returns once its timed run is under way: the client prints the concurrency
+    # line after making its prompts (~10 s for 128 x 1024 tokens), then runs 2 warm-ups (~1 s)
+    for _ in $(seq 1 120); do
+        grep -q "Maximum request concurrency" "$1" 2>/dev/null && break
+        sleep 0.5
+    done
+    sleep 2
+}
+
 serve_bench() {  # name, serve flags..., -- , bench flags...
     local name=$1; shift
     local serve=() bench=()
@@ -80,12 +89,12 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
         metrics=$(grep -o 'metrics=[^ ]*' "$OUT/$name.serve.log" | cut -d= -f2 | tr ',' '\n' | tail -n +2 \
             | sed 's|.*|http://&/metrics|' | paste -sd,)
         local spy_pid=""
-        # SPY=seconds: 4 s into the run, two samplings of the decode worker's threads over the same window, one
+        # SPY=seconds: 2 s into the timed run, two samplings of the decode worker's threads over the same window, one
         # of all of them (idle ones too), one of the GIL holder
         if [ -n "${SPY:-}" ] && command -v py-spy > /dev/null; then
             local dpid
             dpid=$(grep -o 'decode-0:[0-9]*' "$OUT/$name.serve.log" | head -1 | cut -d: -f2)
-            (sleep 4; for mode in idle gil; do
+            (run_started "$OUT/$name.txt"; for mode in idle gil; do
                 py-spy record --pid "$dpid" --duration "$SPY" --rate 200 --threads "--$mode" --nonblocking -f raw \
                     -o "$OUT/$name.spy-$mode.txt" > /dev/null 2>&1 &
             done; wait) &
@@ -100,10 +109,10 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
                 && client=(taskset -c "${PIN##*:}") && echo "[$name] worker on CPUs ${PIN%%:*}, router and client on ${PIN##*:}"
         fi
         local cpu_pid=""
-        if [ -n "${CPU:-}" ]; then  # CPU=seconds: 4 s into the run, the CPU use of the servers and the client
+        if [ -n "${CPU:-}" ]; then  # CPU=seconds: 2 s into the timed run, the CPU use of the servers and the client
             local pids
             pids=$(grep -o 'pids=[^ ]*' "$OUT/$name.serve.log" | head -1 | grep -o ':[0-9]*' | tr -d : | paste -sd' ')
-            (sleep 4; python3 benchmarks/cpu_use.py --seconds "$CPU" $pids $(pgrep -f "[t]andem[.]cli bench") \
+            (run_started "$OUT/$name.txt"; python3 benchmarks/cpu_use.py --seconds "$CPU" $pids $(pgrep -f "[t]andem[.]cli bench") \
                 > "$OUT/$name.cpu.txt" 2>&1) &
             cpu_pid=$!
         fi

@@ -56,10 +56,28 @@ def engine_phases(path: str, engine_thread: str = ENGINE_THREAD) -> tuple[Counte
     return phases, cores, total
 
 
+# the other threads by what they serve (a function on the stack, first match wins); the rest by their leaf function
+SERVER_THREADS = (
+    ("server: Decode streams", "DecodeWorker.Decode"),
+    ("server: Attach streams", "DecodeWorker.Attach"),
+    ("server: Prefill calls", "DecodeWorker.Prefill"),
+    ("server: Reserve calls", "DecodeWorker.Reserve"),
+    ("server: streamed responses (sending)", "_stream_response_in_pool"),
+    ("server: unary calls (sending)", "_unary_response_in_pool"),
+    ("server: gRPC's polling thread", "_serve"),
+    ("server: gRPC's handler dispatch", "_handle_call"),
+)
+
+
 def gil_holders(path: str, engine_thread: str = ENGINE_THREAD) -> Counter:
     holders = Counter()
-    for thread, _, n in samples(path):
-        holders["engine thread" if engine_thread in thread else "other threads (gRPC, server)"] += n
+    for thread, functions, n in samples(path):
+        if engine_thread in thread:
+            holders["engine thread"] += n
+            continue
+        on_stack = set(functions)
+        leaf = functions[-1] if functions else "?"
+        holders[next((name for name, fn in SERVER_THREADS if fn in on_stack), f"other: {leaf}")] += n
     return holders
 
 
@@ -80,7 +98,7 @@ def main() -> None:
         holders = gil_holders(a.gil, a.thread)
         held = sum(holders.values())
         print(f"GIL held in {held} samples")
-        for name, n in holders.most_common():
+        for name, n in holders.most_common(12):
             print(f"  {name:<46} {n:>6} {n / max(1, held):>6.1%}")
 
 
