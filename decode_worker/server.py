@@ -4,13 +4,18 @@ A request's life here: `Reserve` allocates its blocks and slots for its whole le
 one-time transfer token. The prefill worker then pushes the state to the transfer listener; the header is
 checked against the lease (token, request, model fingerprint, tensor shapes) before any byte is accepted, and
 the state is installed between two engine steps, so running requests never stall for a copy. `Decode` attaches
-to the request's output (tokens made before it attaches wait in its channel). A lease that is not used in time,
+to the request's output (tokens made before it attaches wait for it). A lease that is not used in time,
 or an installed request nobody attaches to, expires and frees everything, as does `Abort` or a dropped stream.
 
 Colocated serving (a router without prefill workers): the decode worker also serves the `PrefillWorker` service's
 `Prefill` for the leases it issued. The reserved request then joins this engine's batch and is prefilled here like
-any other prompt (no hand-off); `Prefill` answers with its first token, and the tokens after it go to the lease's
-channel for `Decode`, exactly as after a hand-off. The lease's expiry bounds the prefill as it bounds a hand-off.
+any other prompt (no hand-off); `Prefill` answers with its first token, and the tokens after it follow through
+`Decode` or `Attach`, exactly as after a hand-off. The lease's expiry bounds the prefill as it bounds a hand-off.
+
+Outputs: after each step the engine thread hands every stream one list of what the step gave its requests (a
+`_Sink` per stream: one request for `Decode`, all that the router attached for `Attach`). An `Attach` stream
+sends that list as one message: one message a step for the router's requests, instead of one per request from as
+many threads, each taking the GIL from the engine thread while it launches the next step.
 """
 
 from __future__ import annotations
@@ -53,6 +58,27 @@ class Output:
     prompt_logprobs: list = field(default_factory=list)  # colocated first token: the sequence's prompt_logprobs
 
 
+class _Sink:
+    """One stream's outputs: lists of (request id, its lease record or None, Output), one list a step."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.open: set[str] = set()  # its attached requests not yet finished (guarded by the worker's lock)
+
+    def take(self, context):
+        """The next lists, all that are queued, as one; None once the RPC has ended."""
+        while True:
+            try:
+                items = self.queue.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if not context.is_active():
+                    return None
+        while not self.queue.empty():
+            items = items + self.queue.get_nowait()
+        return items
+
+
 @dataclass
 class LeaseRecord:
     lease_id: str
@@ -63,9 +89,10 @@ class LeaseRecord:
     # (-> finished, when no stream is attached yet)
     stage: str = "reserved"
     attached: bool = False
-    emitted: int = 0  # output tokens already put in the channel (the first went back with the Prefill answer)
+    emitted: int = 0  # output tokens already handed on (the first went back with the Prefill answer)
     installed_at: float = 0.0
-    channel: queue.Queue = field(default_factory=queue.Queue)
+    sink: _Sink | None = None  # the stream it is attached to
+    pending: list[Output] = field(default_factory=list)  # outputs made before it was attached
     first: Future | None = None  # colocated: the first token's Output (or the abort/error) for the Prefill RPC
     prefill_started: float = 0.0
 
@@ -128,30 +155,44 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
                                 expires_unix_ms=int((time.time() + self.lease_seconds) * 1000))
 
     def Decode(self, request, context):
-        with self._lock:
-            rec = self._by_request.get(request.request_id)
-            if rec is not None and (rec.lease_id != request.lease_id or rec.attached):
-                rec = None
-            if rec is not None:
-                rec.attached = True
-        if rec is None:
+        sink = _Sink()
+        if self._attach(request, sink) is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no open lease {request.lease_id!r} for {request.request_id!r}")
         on_end(context, lambda: self._abort(request.request_id))  # a no-op once finished
-        while True:
-            try:
-                out = rec.channel.get(timeout=0.5)
-            except queue.Empty:
-                if not context.is_active():
+        while (items := sink.take(context)) is not None:
+            for _, _, out in items:
+                if out.error is not None:
+                    context.abort(*out.error)
+                yield self._response(out)
+                if out.finish_reason is not None:
                     return
-                continue
-            if out.error is not None:
-                context.abort(*out.error)
-            yield worker_pb2.DecodeResponse(token_ids=out.token_ids,
-                                            logprobs=[logprobs_to_proto(d) for d in out.logprobs],
-                                            finish_reason=finish_reason_to_proto(out.finish_reason))
-            if out.finish_reason is not None:
-                self._forget(rec)
-                return
+
+    def Attach(self, request_iterator, context):
+        """Many requests' outputs over one stream (the router's, one per decode worker): see the module docstring."""
+        sink = _Sink()
+
+        def attach_each():
+            try:
+                for request in request_iterator:
+                    if self._attach(request, sink) is None:
+                        sink.queue.put([(request.request_id, None, Output([], [], None, (
+                            grpc.StatusCode.NOT_FOUND,
+                            f"no open lease {request.lease_id!r} for {request.request_id!r}")))])
+            except grpc.RpcError:  # the stream ended: on_end aborts what it had
+                pass
+
+        threading.Thread(target=attach_each, name="attach-requests", daemon=True).start()
+        on_end(context, lambda: self._close(sink))
+        while (items := sink.take(context)) is not None:
+            yield worker_pb2.DecodeBatch(outputs=[self._response(out, request_id) for request_id, _, out in items])
+
+    @staticmethod
+    def _response(out: Output, request_id: str = "") -> worker_pb2.DecodeResponse:
+        code, message = out.error if out.error is not None else (None, "")
+        return worker_pb2.DecodeResponse(token_ids=out.token_ids, logprobs=[logprobs_to_proto(d) for d in out.logprobs],
+                                         finish_reason=finish_reason_to_proto(out.finish_reason),
+                                         request_id=request_id, error_code=code.value[0] if code else 0,
+                                         error_message=message)
 
     def Prefill(self, request, context):
         """Colocated: prefills a request this worker leased, here; answers with its first token (no hand-off)."""
@@ -221,9 +262,52 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         self.loop.submit(lambda e: e.abort(request_id))
         out = Output([], [], "abort", error)
         self._resolve_first(rec, out)  # a colocated prefill under way answers with the abort (or the error)
-        rec.channel.put(out)
+        self._deliver([(rec, out)])
         self._gauge_leases()
         return True
+
+    def _attach(self, request, sink: _Sink) -> LeaseRecord | None:
+        """Binds the request's outputs to the stream `sink` (those made before come first); None when there is no
+        such open lease or it is attached already."""
+        with self._lock:
+            rec = self._by_request.get(request.request_id)
+            if rec is None or rec.lease_id != request.lease_id or rec.attached:
+                return None
+            rec.attached, rec.sink = True, sink
+            pending, rec.pending = rec.pending, []
+            if any(out.finish_reason is not None or out.error is not None for out in pending):
+                self._by_request.pop(rec.seq.request_id)  # it ended before its stream came
+                self._by_lease.pop(rec.lease_id, None)
+            else:
+                sink.open.add(rec.seq.request_id)
+            if pending:
+                sink.queue.put([(rec.seq.request_id, rec, out) for out in pending])
+        return rec
+
+    def _deliver(self, outputs: list[tuple[LeaseRecord, Output]]) -> None:
+        """Hands outputs to their requests' streams, one list per stream, or keeps them until the request is
+        attached. A request's last output forgets it."""
+        by_sink: dict[int, tuple[_Sink, list]] = {}
+        with self._lock:  # as _attach: a request's outputs stay in order across its attaching
+            for rec, out in outputs:
+                if rec.sink is None:
+                    rec.pending.append(out)
+                    continue
+                by_sink.setdefault(id(rec.sink), (rec.sink, []))[1].append((rec.seq.request_id, rec, out))
+                if out.finish_reason is not None or out.error is not None:
+                    rec.sink.open.discard(rec.seq.request_id)
+                    if self._by_request.get(rec.seq.request_id) is rec:
+                        self._by_request.pop(rec.seq.request_id)
+                        self._by_lease.pop(rec.lease_id, None)
+            for sink, items in by_sink.values():
+                sink.queue.put(items)
+
+    def _close(self, sink: _Sink) -> None:
+        """An Attach stream ended: its unfinished requests have nobody to go to."""
+        with self._lock:
+            orphans, sink.open = list(sink.open), set()
+        for request_id in orphans:
+            self._abort(request_id)
 
     @staticmethod
     def _resolve_first(rec: LeaseRecord, out: Output) -> None:
@@ -264,6 +348,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
 
     # ---- engine thread ----------------------------------------------------------------------------------------
     def _after_step(self, active: list[Sequence], finished: list[Sequence]) -> None:
+        outputs = []
         for seq in active:
             with self._lock:
                 rec = self._by_request.get(seq.request_id)
@@ -286,13 +371,15 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
                 if done:
                     self.metrics.request_decode_time_seconds.observe(time.monotonic() - rec.installed_at)
             if new or done:
-                self.loop.defer(rec.channel.put, Output(new, lps, done))
+                outputs.append((rec, Output(new, lps, done)))
             if done:
                 with self._lock:
-                    if not rec.attached:  # the output waits in the channel for its stream until the lease expires
+                    if not rec.attached:  # the output waits for its stream until the lease expires
                         rec.stage, rec.expires = "finished", time.monotonic() + self.lease_seconds
                         continue
                 self._forget(rec)
+        if outputs:
+            self.loop.defer(self._deliver, outputs)
         if self.metrics is not None:
             observe_engine(self.metrics, self.engine)
             self._record_speculation()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import random
 import threading
 import time
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from router.decode_stream import StreamError
 from router.workers import Worker, WorkerPool
 from tandem import __version__
 from tandem.config import ModelConfig
@@ -47,7 +49,6 @@ class _Active:
     request_id: str
     prefill: Worker | None = None
     decode: Worker | None = None
-    stream: object = None
     finished: bool = False
     aborted: bool = False  # by the Abort RPC: the client gets a last message with finish reason abort
     closed: bool = False  # the client's RPC has ended
@@ -251,14 +252,11 @@ class Router(router_pb2_grpc.TandemServicer):
             generated, n = [first.first_token_id], 1
             while True:
                 try:
-                    state.stream = state.decode.stub.Decode(
-                        worker_pb2.DecodeRequest(request_id=rid, lease_id=lease.lease_id), timeout=time_left(context))
-                    for m in state.stream:
+                    for m in self._decoded(state, lease, context):
                         n += len(m.token_ids)
                         generated.extend(m.token_ids)
                         msg = message(m.token_ids, m.logprobs, m.finish_reason, n)
                         if msg.finish_reason != m.finish_reason:  # ended here by a stop string: free the worker
-                            state.stream.cancel()
                             self._abort_on([state.decode], rid)
                             yield msg
                             return
@@ -301,6 +299,31 @@ class Router(router_pb2_grpc.TandemServicer):
         finally:
             if state.decode is not None:
                 state.decode.inflight_requests -= 1
+
+    @staticmethod
+    def _decoded(state: _Active, lease, context):
+        """The request's messages from its decode worker's shared stream (`DecodeStream`), to its last; a
+        StreamError (a grpc.RpcError) when the worker ended it with an error or the stream broke."""
+        stream = state.decode.stream
+        mine = stream.attach(state.request_id, lease.lease_id)
+        try:
+            while True:
+                left = time_left(context)
+                if left is not None and left <= 0:
+                    raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while decoding")
+                try:
+                    m = mine.get(timeout=min(0.5, left) if left is not None else 0.5)
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    continue
+                if isinstance(m, StreamError):
+                    raise m
+                yield m
+                if m.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    return
+        finally:
+            stream.detach(state.request_id)
 
     def _release_decode(self, state: _Active, abort: bool = True) -> None:
         """Gives up the request's lease (a failed prefill or a dead decode worker): the next attempt reserves anew."""

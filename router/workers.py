@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from router.decode_stream import DecodeStream
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import Tls, make_channel, worker_channel_options
 
@@ -29,6 +30,7 @@ class Worker:
     inflight_requests: int = 0
     inflight_prompt_tokens: int = 0
     prefill_stub: object = None  # a decode worker's PrefillWorker service (colocated: Prefill of its own leases)
+    stream: DecodeStream | None = None  # a decode worker's: the one stream of all its requests' tokens
 
 
 def resolve(dns: str) -> list[str]:
@@ -81,8 +83,10 @@ class WorkerPool:
                     self.metrics.remove_worker(gone, self.role)
             for a in addresses - set(self.workers):
                 ch = make_channel(a, self.tls, worker_channel_options())
-                self.workers[a] = Worker(a, self.role, self._stub_cls(ch), ch, prefill_stub=(
-                    worker_pb2_grpc.PrefillWorkerStub(ch) if self.role == "decode" else None))
+                stub, decode = self._stub_cls(ch), self.role == "decode"
+                self.workers[a] = Worker(a, self.role, stub, ch,
+                                         prefill_stub=worker_pb2_grpc.PrefillWorkerStub(ch) if decode else None,
+                                         stream=DecodeStream(stub) if decode else None)
             workers = list(self.workers.values())
         for w in workers:
             try:

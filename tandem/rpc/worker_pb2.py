@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.rpc import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"k\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\xa0\x01\n\x05Lease\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0bstate_slots\x18\x04 \x03(\r\x12\x16\n\x0etransfer_token\x18\x05 \x01(\x0c\x12\x18\n\x10transfer_address\x18\x06 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x07 \x01(\x03\"\x8c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1f\n\x05lease\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Lease\"\xee\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rhandoff_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fhandoff_seconds\x18\x04 \x01(\x01\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"5\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x7f\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest2\xd0\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Load2\x86\x02\n\x0c\x44\x65\x63odeWorker\x12\x36\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x10.tandem.v1.Lease\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"k\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\xa0\x01\n\x05Lease\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0bstate_slots\x18\x04 \x03(\r\x12\x16\n\x0etransfer_token\x18\x05 \x01(\x0c\x12\x18\n\x10transfer_address\x18\x06 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x07 \x01(\x03\"\x8c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1f\n\x05lease\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Lease\"\xee\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rhandoff_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fhandoff_seconds\x18\x04 \x01(\x01\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"5\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\xbe\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\nerror_code\x18\x05 \x01(\x05\x12\x15\n\rerror_message\x18\x06 \x01(\t\"9\n\x0b\x44\x65\x63odeBatch\x12*\n\x07outputs\x18\x01 \x03(\x0b\x32\x19.tandem.v1.DecodeResponse\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest2\xd0\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Load2\xc6\x02\n\x0c\x44\x65\x63odeWorker\x12\x36\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x10.tandem.v1.Lease\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12>\n\x06\x41ttach\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.DecodeBatch(\x01\x30\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,16 +42,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE']._serialized_end=715
   _globals['_DECODEREQUEST']._serialized_start=717
   _globals['_DECODEREQUEST']._serialized_end=770
-  _globals['_DECODERESPONSE']._serialized_start=772
-  _globals['_DECODERESPONSE']._serialized_end=899
-  _globals['_WORKERABORTREQUEST']._serialized_start=901
-  _globals['_WORKERABORTREQUEST']._serialized_end=941
-  _globals['_WORKERABORTRESPONSE']._serialized_start=943
-  _globals['_WORKERABORTRESPONSE']._serialized_end=979
-  _globals['_GETLOADREQUEST']._serialized_start=981
-  _globals['_GETLOADREQUEST']._serialized_end=997
-  _globals['_PREFILLWORKER']._serialized_start=1000
-  _globals['_PREFILLWORKER']._serialized_end=1208
-  _globals['_DECODEWORKER']._serialized_start=1211
-  _globals['_DECODEWORKER']._serialized_end=1473
+  _globals['_DECODERESPONSE']._serialized_start=773
+  _globals['_DECODERESPONSE']._serialized_end=963
+  _globals['_DECODEBATCH']._serialized_start=965
+  _globals['_DECODEBATCH']._serialized_end=1022
+  _globals['_WORKERABORTREQUEST']._serialized_start=1024
+  _globals['_WORKERABORTREQUEST']._serialized_end=1064
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1066
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1102
+  _globals['_GETLOADREQUEST']._serialized_start=1104
+  _globals['_GETLOADREQUEST']._serialized_end=1120
+  _globals['_PREFILLWORKER']._serialized_start=1123
+  _globals['_PREFILLWORKER']._serialized_end=1331
+  _globals['_DECODEWORKER']._serialized_start=1334
+  _globals['_DECODEWORKER']._serialized_end=1660
 # @@protoc_insertion_point(module_scope)

@@ -199,6 +199,9 @@ class PrefillWorker:
 class DecodeWorkerStub:
     """Decode worker: reserves capacity (a lease) for a request, admits its hand-off, decodes with MTP speculation.
     Decode attaches to the output of a request whose lease was granted; tokens produced before it attaches are kept.
+    Attach does the same for many requests over one stream (the router keeps one per decode worker): each
+    DecodeRequest sent on it attaches one request, and each message back holds what one engine step gave the requests
+    attached through it (one message a step, not one per request). Ending the stream aborts its unfinished requests.
     """
 
     def __init__(self, channel):
@@ -217,6 +220,11 @@ class DecodeWorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.stream_stream(
+                '/tandem.v1.DecodeWorker/Attach',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/Abort',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
@@ -232,6 +240,9 @@ class DecodeWorkerStub:
 class DecodeWorkerServicer:
     """Decode worker: reserves capacity (a lease) for a request, admits its hand-off, decodes with MTP speculation.
     Decode attaches to the output of a request whose lease was granted; tokens produced before it attaches are kept.
+    Attach does the same for many requests over one stream (the router keeps one per decode worker): each
+    DecodeRequest sent on it attaches one request, and each message back holds what one engine step gave the requests
+    attached through it (one message a step, not one per request). Ending the stream aborts its unfinished requests.
     """
 
     def Reserve(self, request, context):
@@ -241,6 +252,12 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -271,6 +288,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
+            'Attach': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.DecodeBatch.SerializeToString,
+            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.WorkerAbortRequest.FromString,
@@ -292,6 +314,9 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
 class DecodeWorker:
     """Decode worker: reserves capacity (a lease) for a request, admits its hand-off, decodes with MTP speculation.
     Decode attaches to the output of a request whose lease was granted; tokens produced before it attaches are kept.
+    Attach does the same for many requests over one stream (the router keeps one per decode worker): each
+    DecodeRequest sent on it attaches one request, and each message back holds what one engine step gave the requests
+    attached through it (one message a step, not one per request). Ending the stream aborts its unfinished requests.
     """
 
     @staticmethod
@@ -338,6 +363,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/Decode',
             tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.DecodeWorker/Attach',
+            tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.DecodeBatch.FromString,
             options,
             channel_credentials,
             insecure,
