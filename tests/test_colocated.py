@@ -4,6 +4,7 @@ streaming (gRPC and HTTP), abort and cancel leaving nothing allocated, and the d
 (unknown lease, wrong token, reused lease; in process: a lease that expires while prefilling, a cancelled Prefill)."""
 
 import json
+import queue
 import threading
 import time
 import urllib.request
@@ -281,3 +282,66 @@ def test_stream_interval_holds_tokens_back(oracle):
         _assert_nothing_held(worker)
     finally:
         worker.stop()
+
+
+@pytest.fixture
+def fast_worker():
+    ecfg = EngineConfig(block_size=4, max_num_seqs=6, max_model_len=1024, max_num_batched_tokens=64,
+                        num_speculative_tokens=K, dtype=torch.float32, device="cpu")
+    cfg, model, _ = load_model(MODEL, "cpu", torch.float32)
+    worker = DecodeWorker(Engine(cfg, model, ecfg), "fp", "127.0.0.1", 0, "127.0.0.1").start()
+    yield worker
+    worker.stop()
+
+
+def _prefilled(worker, rid, prompt, params):
+    lease = worker.Reserve(worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt,
+                                                     sampling=sampling_to_proto(params)), _Context())
+    first = worker.Prefill(worker_pb2.PrefillRequest(request_id=rid, lease=lease), _Context())
+    return lease, first
+
+
+def test_attach_streams_many_requests_a_step_at_a_time(fast_worker, oracle):
+    """One Attach stream for several requests: messages carry several requests' tokens, each request gets the
+    colocated engine's tokens, and a lease that is not open comes back as that request's NOT_FOUND entry."""
+    prompts, params = workload()
+    long_ones = [i for i, p in enumerate(params) if p.max_tokens >= 8][:3]
+    requests, ctx = queue.SimpleQueue(), _Context()
+    stream = fast_worker.Attach(iter(requests.get, None), ctx)
+    want, got, firsts = {}, {}, {}
+    for i in long_ones:
+        lease, first = _prefilled(fast_worker, f"many-{i}", prompts[i], params[i])
+        want[f"many-{i}"], firsts[f"many-{i}"] = oracle[tuple(prompts[i])], first.first_token_id
+        requests.put(worker_pb2.DecodeRequest(request_id=f"many-{i}", lease_id=lease.lease_id))
+    requests.put(worker_pb2.DecodeRequest(request_id="no-such", lease_id="nope"))
+    shared, errors, done = 0, {}, set()
+    while len(done) < len(long_ones) or not errors:
+        batch = next(stream)
+        shared += len({o.request_id for o in batch.outputs if o.token_ids}) > 1
+        for o in batch.outputs:
+            if o.error_code:
+                errors[o.request_id] = grpc.StatusCode.NOT_FOUND.value[0] == o.error_code
+                continue
+            got.setdefault(o.request_id, [firsts[o.request_id]]).extend(o.token_ids)
+            if o.finish_reason:
+                done.add(o.request_id)
+                got[o.request_id] = (got[o.request_id],
+                                     common_pb2.FinishReason.Name(o.finish_reason).removeprefix("FINISH_REASON_").lower())
+    assert errors == {"no-such": True}
+    assert got == want
+    assert shared > 0  # a step's tokens for several requests went out as one message
+    ctx.end()
+    _assert_nothing_held(fast_worker)
+
+
+def test_attach_stream_ending_aborts_its_requests(fast_worker):
+    """The router's stream goes away mid-request: the worker aborts what it had attached and frees it all."""
+    lease, first = _prefilled(fast_worker, "orphan", list(range(2, 30)), SamplingParams(max_tokens=500,
+                                                                                        temperature=0.0))
+    assert not first.finish_reason
+    requests, ctx = queue.SimpleQueue(), _Context()
+    stream = fast_worker.Attach(iter(requests.get, None), ctx)
+    requests.put(worker_pb2.DecodeRequest(request_id="orphan", lease_id=lease.lease_id))
+    assert any(o.request_id == "orphan" and o.token_ids for o in next(stream).outputs)
+    ctx.end()
+    _assert_nothing_held(fast_worker)
