@@ -254,22 +254,25 @@ def test_cancelled_prefill_frees_it(slow_worker):
     _assert_nothing_held(slow_worker)
 
 
-def test_stream_interval_holds_tokens_back(oracle):
-    """--stream-interval 5: every message but a request's last carries at least 5 tokens, and the tokens are the
-    colocated engine's."""
+def _engine() -> Engine:
+    """An engine as the cluster's workers run (ENGINE's settings), in this process."""
     ecfg = EngineConfig(block_size=4, max_num_seqs=6, max_model_len=1024, max_num_batched_tokens=64,
                         num_speculative_tokens=K, dtype=torch.float32, device="cpu")
     cfg, model, _ = load_model(MODEL, "cpu", torch.float32)
+    return Engine(cfg, model, ecfg)
+
+
+def test_stream_interval_holds_tokens_back(oracle):
+    """--stream-interval 5: every message but a request's last carries at least 5 tokens, and the tokens are the
+    colocated engine's."""
     with pytest.raises(ValueError, match="stream_interval"):
-        DecodeWorker(Engine(cfg, model, ecfg), "fp", "127.0.0.1", 0, "127.0.0.1", stream_interval=0)
-    worker = DecodeWorker(Engine(cfg, model, ecfg), "fp", "127.0.0.1", 0, "127.0.0.1", stream_interval=5).start()
+        DecodeWorker(_engine(), "fp", "127.0.0.1", 0, "127.0.0.1", stream_interval=0)
+    worker = DecodeWorker(_engine(), "fp", "127.0.0.1", 0, "127.0.0.1", stream_interval=5).start()
     try:
         held_back = 0
         for i, (prompt, params) in enumerate(zip(*workload())):
             rid = f"interval-{i}"
-            lease = worker.Reserve(worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt,
-                                                             sampling=sampling_to_proto(params)), _Context())
-            first = worker.Prefill(worker_pb2.PrefillRequest(request_id=rid, lease=lease), _Context())
+            lease, first = _prefilled(worker, rid, prompt, params)
             msgs = [] if first.finish_reason else list(worker.Decode(
                 worker_pb2.DecodeRequest(request_id=rid, lease_id=lease.lease_id), _Context()))
             assert all(len(m.token_ids) >= 5 for m in msgs[:-1]), [len(m.token_ids) for m in msgs]
@@ -286,10 +289,7 @@ def test_stream_interval_holds_tokens_back(oracle):
 
 @pytest.fixture
 def fast_worker():
-    ecfg = EngineConfig(block_size=4, max_num_seqs=6, max_model_len=1024, max_num_batched_tokens=64,
-                        num_speculative_tokens=K, dtype=torch.float32, device="cpu")
-    cfg, model, _ = load_model(MODEL, "cpu", torch.float32)
-    worker = DecodeWorker(Engine(cfg, model, ecfg), "fp", "127.0.0.1", 0, "127.0.0.1").start()
+    worker = DecodeWorker(_engine(), "fp", "127.0.0.1", 0, "127.0.0.1").start()
     yield worker
     worker.stop()
 
