@@ -3,11 +3,13 @@
 # serving benchmarks, each writing its full output under $OUT (default ./h200-out) and printing a short summary.
 #
 #     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [mixed] [fp8] [serve] [pd]
-#         [tp]
+#         [gap] [tp]
 #     (no argument: tests step serve pd; tp needs two GPUs)
 #     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; STEP: step.py's arguments;
 #     OPS_ROWS: prefill_ops.py --rows; MIXED_BUDGETS: the step budgets of the mixed part (default "2048 8192");
 #     SERVE_FLAGS: more `tandem serve` flags of the colocated runs, TAG: a suffix of their result names;
+#     gap: issue 6's load (c = 32, k = 2, budget $BUDGET, default 8192) in the engine alone and served, one after
+#     the other on the same host, so their ratio holds whatever the host's CPU;
 #     TESTS: test files, TESTS_TIMEOUT: seconds per file (the whole GPU suite takes ~8 min: split it over calls);
 #     SPY=seconds: py-spy samples the decode worker during each serving run, from the wheel in $WHEELS;
 #     CPU=seconds: the CPU use of the serving processes and the client's, thread by thread, during each run;
@@ -195,6 +197,20 @@ for part in $PARTS; do
                 --sweep-concurrency $SWEEP --num-prompts $PROMPTS --prompts-per-concurrency 4 --num-warmups 2 \
                 --plot-dir "$OUT/plots_k$k${TAG:-}"
         done ;;
+    gap)  # the engine alone, then served, under one load: what the serving stack costs on this host
+        timeout 300 python3 benchmarks/offline.py --model $MODEL --dtype $DTYPE --num-prompts $PROMPTS \
+            --input-len $IN_LEN --output-len $OUT_LEN --max-num-seqs 32 --max-num-batched-tokens ${BUDGET:-8192} \
+            --k 2 > "$OUT/offline.txt" 2>&1
+        tail -6 "$OUT/offline.txt"
+        serve_bench "gap_served" --model $MODEL --dtype $DTYPE --prefill-workers 0 --max-num-seqs 64 \
+            --max-model-len 2048 --num-speculative-tokens 2 --emulated-acceptance 0.84,0.66 \
+            --max-num-batched-tokens ${BUDGET:-8192} ${SERVE_FLAGS:-} -- \
+            --model $MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $OUT_LEN --ignore-eos \
+            --max-concurrency 32 --num-prompts $PROMPTS --num-warmups 2
+        python3 -c "import json, re, sys; alone = float(re.search(r'([0-9.]+) output tok/s', open(sys.argv[1]).read())[1]); \
+served = json.load(open(sys.argv[2]))['output_throughput']; \
+print(f'[gap] engine alone {alone:.1f} tok/s, served {served:.1f} tok/s: {served / alone:.1%}')" \
+            "$OUT/offline.txt" "$OUT/gap_served.json" ;;
     pd)  # prefill and decode worker on the same GPU: a preset that fits twice
         serve_bench "pd_k2" --model $PD_MODEL --dtype $DTYPE --prefill-workers 1 --decode-workers 1 \
             --max-num-seqs 32 --max-model-len 2048 --num-speculative-tokens 2 --emulated-acceptance 0.84,0.66 -- \
