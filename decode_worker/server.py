@@ -59,7 +59,7 @@ class Output:
 
 
 class _Sink:
-    """One stream's outputs: lists of (request id, its lease record or None, Output), one list a step."""
+    """One stream's outputs: lists of (request id, Output), one list a step."""
 
     def __init__(self):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -160,7 +160,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             context.abort(grpc.StatusCode.NOT_FOUND, f"no open lease {request.lease_id!r} for {request.request_id!r}")
         on_end(context, lambda: self._abort(request.request_id))  # a no-op once finished
         while (items := sink.take(context)) is not None:
-            for _, _, out in items:
+            for _, out in items:
                 if out.error is not None:
                     context.abort(*out.error)
                 yield self._response(out)
@@ -175,7 +175,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             try:
                 for request in request_iterator:
                     if self._attach(request, sink) is None:
-                        sink.queue.put([(request.request_id, None, Output([], [], None, (
+                        sink.queue.put([(request.request_id, Output([], [], None, (
                             grpc.StatusCode.NOT_FOUND,
                             f"no open lease {request.lease_id!r} for {request.request_id!r}")))])
             except grpc.RpcError:  # the stream ended: on_end aborts what it had
@@ -184,7 +184,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         threading.Thread(target=attach_each, name="attach-requests", daemon=True).start()
         on_end(context, lambda: self._close(sink))
         while (items := sink.take(context)) is not None:
-            yield worker_pb2.DecodeBatch(outputs=[self._response(out, request_id) for request_id, _, out in items])
+            yield worker_pb2.DecodeBatch(outputs=[self._response(out, request_id) for request_id, out in items])
 
     @staticmethod
     def _response(out: Output, request_id: str = "") -> worker_pb2.DecodeResponse:
@@ -281,7 +281,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             else:
                 sink.open.add(rec.seq.request_id)
             if pending:
-                sink.queue.put([(rec.seq.request_id, rec, out) for out in pending])
+                sink.queue.put([(rec.seq.request_id, out) for out in pending])
         return rec
 
     def _deliver(self, outputs: list[tuple[LeaseRecord, Output]]) -> None:
@@ -293,7 +293,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
                 if rec.sink is None:
                     rec.pending.append(out)
                     continue
-                by_sink.setdefault(id(rec.sink), (rec.sink, []))[1].append((rec.seq.request_id, rec, out))
+                by_sink.setdefault(id(rec.sink), (rec.sink, []))[1].append((rec.seq.request_id, out))
                 if out.finish_reason is not None or out.error is not None:
                     rec.sink.open.discard(rec.seq.request_id)
                     if self._by_request.get(rec.seq.request_id) is rec:
