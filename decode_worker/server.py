@@ -276,8 +276,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             rec.attached, rec.sink = True, sink
             pending, rec.pending = rec.pending, []
             if any(out.finish_reason is not None or out.error is not None for out in pending):
-                self._by_request.pop(rec.seq.request_id)  # it ended before its stream came
-                self._by_lease.pop(rec.lease_id, None)
+                self._unlist(rec)  # it ended before its stream came
             else:
                 sink.open.add(rec.seq.request_id)
             if pending:
@@ -296,9 +295,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
                 by_sink.setdefault(id(rec.sink), (rec.sink, []))[1].append((rec.seq.request_id, out))
                 if out.finish_reason is not None or out.error is not None:
                     rec.sink.open.discard(rec.seq.request_id)
-                    if self._by_request.get(rec.seq.request_id) is rec:
-                        self._by_request.pop(rec.seq.request_id)
-                        self._by_lease.pop(rec.lease_id, None)
+                    self._unlist(rec)
             for sink, items in by_sink.values():
                 sink.queue.put(items)
 
@@ -326,8 +323,14 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
 
     def _forget(self, rec: LeaseRecord) -> None:
         with self._lock:
-            self._by_request.pop(rec.seq.request_id, None)
-            self._by_lease.pop(rec.lease_id, None)
+            self._unlist(rec)
+
+    def _unlist(self, rec: LeaseRecord) -> None:
+        """With the lock held: the request is done here. Only this record goes: a later one of the same request id
+        (a retry after an abort) stays."""
+        if self._by_request.get(rec.seq.request_id) is rec:
+            del self._by_request[rec.seq.request_id]
+        self._by_lease.pop(rec.lease_id, None)
 
     def _expire(self) -> None:
         now = time.monotonic()
