@@ -72,6 +72,7 @@ from tandem.model.presets import PRESETS  # noqa: E402
 from tandem.model.qwen3_5 import DecoderLayer  # noqa: E402
 from tandem.ops import gdn  # noqa: E402
 from tandem.ops.gdn import pending_width  # noqa: E402
+from tandem.profiling import PREFIX  # noqa: E402
 from trace_gaps import summarize  # noqa: E402  (this script's directory is on sys.path)
 
 PREFILL_TOKEN_CAP = 16384
@@ -148,7 +149,10 @@ def profiled(device: str, fn, rows: int = 30, trace: str | None = None, stacks: 
     events = prof.key_averages()
     # device events only: a CPU op that launched kernels from Python (fla's autograd Function) carries their time
     # as its own self device time too, which counted it twice (213.6 against 182.3 ms in a mixed-step profile)
-    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # and not the engine's named ranges (`tandem.profiling.phase`), whose device-side spans (a graph replay's
+    # range holds the whole step) counted every kernel twice (25.6 ms "busy" in a 13.1 ms step)
+    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                 and not (getattr(e, "is_user_annotation", False) or e.key.startswith(PREFIX))]
     busy_ms = sum(e.self_device_time_total for e in on_device) / 1e3
     kernels = sum(e.count for e in on_device)
     table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows,
