@@ -11,8 +11,7 @@ beside them at decode rows, when this torch has it), and
 prefill tiles with `group_dot`'s DOT 0 (e4m3 with Hopper's fast accumulation inside each 128-wide group, as
 DeepSeek's and vLLM's block-FP8 GEMMs; the dispatch's at prefill sizes) and 1 (promoted to fp32 every K = 32;
 the dispatch's at decode sizes); for the experts DOT 0, 1 and 2 (bf16 upcast), and their tiles at decode and
-prefill sizes. At decode sizes also the weight tiles by TMA (tensor descriptors; the dense GEMMs' default tiles
-too), and the experts' launch order and weight eviction policy. The prefill GEMMs are compute-bound: there the bf16 column is the bar, not the floor. Floor = bytes
+prefill sizes. The prefill GEMMs are compute-bound: there the bf16 column is the bar, not the floor. Floor = bytes
 the call must move (e4m3 weight and scales, activations in and out) at --bandwidth-gbs. The experts are the
 35B-A3B's with its shared expert hosted as expert E (`Experts.host`), each token routed to it too, as at decode
 sizes.
@@ -110,10 +109,6 @@ def dense(rows, sweep, bw):
                                                                                     tiles=tiles, dot=dot)
                         e = oracle_err(f(0), x, q, s)
                         results.append((graph_time_us([lambda i=i: f(i) for i in range(r)]), tiles, dot, e))
-                if m <= 256:  # the default tiles with the weight by TMA
-                    f = lambda i: fp8.w8a8_linear_triton(x, qs[i], ss[i], BLOCK, tma=True)
-                    results.append((graph_time_us([lambda i=i: f(i) for i in range(r)]), "TMA", "-",
-                                    oracle_err(f(0), x, q, s)))
                 layout = fp8.cublas_layout(x.device)
                 if m <= 32 and layout is not None:  # torch's block-scaled matmul at decode rows too
                     f = lambda i: fp8.w8a8_linear_cublas(x, qs[i], ss[i], layout)
@@ -121,7 +116,6 @@ def dense(rows, sweep, bw):
                                     oracle_err(f(0), x, q, s)))
                 results.sort(key=lambda z: z[0])
                 best = "  ".join(f"{u:.1f}us {t} dot{d} err {e:.1e}" for u, t, d, e in results[:3])
-                best += "".join(f"  (TMA {u:.1f}us)" for u, t, _, _ in results[3:] if t == "TMA")
             if m >= fp8.CUBLAS_MIN_ROWS and fp8.cublas_layout(x.device) is not None:  # the dispatch took torch's
                 tt = graph_time_us([lambda i=i: fp8.w8a8_linear_triton(x, qs[i], ss[i], BLOCK) for i in range(r)])
                 best = f"(torch's block-scaled matmul; the Triton kernel: {tt:.1f}us)  " + best
@@ -181,17 +175,6 @@ def experts(tokens, sweep, bw):
         elif sweep and t * TOP_K <= 4 * E:  # decode sizes: weight-streaming, narrow tiles spread over the SMs
             sweep_expert_tiles(time_fp8, (16,), [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4),
                                                  (32, 128, 2, 4), (32, 128, 4, 6), (128, 128, 4, 4)])
-            # the launch order (a block's N tiles together: an expert's rows read side by side) and the weights'
-            # L2 eviction policy (streamed once a step: they need not stay)
-            orders = [(n_major, evict) for n_major in (False, True) for evict in ("", "evict_first")]
-            print("    launch order, weight eviction: " + "  ".join(
-                f"{time_fp8(n_major=n, w_evict=ev):.1f}us {'N-major' if n else 'M-major'} {ev or 'default'}"
-                for n, ev in orders))
-            # the weight tiles by TMA (tensor descriptors), with the default tiles and a few wider ones
-            print("    TMA: " + "  ".join(f"{time_fp8(tma=True, n_major=n, **tiles):.1f}us {tiles or 'default'}"
-                                        f"{' N-major' if n else ''}" for n in (False, True)
-                                        for tiles in ({}, dict(gate_up_cfg=(64, 128, 4, 4)),
-                                                      dict(gate_up_cfg=(64, 128, 4, 4), down_cfg=(128, 128, 4, 4)))))
 
 
 def sweep_expert_tiles(time_fp8, block_ms, tiles):

@@ -94,7 +94,6 @@ def dequantize_block_fp8(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block=(12
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     @triton.jit
     def quantize_rows(a):
@@ -114,15 +113,6 @@ if HAS_TRITON:
         groups = tl.arange(0, BLOCK // G)
         tl.store(q_ptr + offset + groups[:, None] * G + tl.arange(0, G)[None, :], q)
         tl.store(s_ptr + offset // G + groups, s)
-
-    @triton.jit
-    def weight_tile(ptrs, mask, desc, row, kb, BLOCK_K: tl.constexpr, W_EVICT: tl.constexpr, TMA: tl.constexpr):
-        """A [BLOCK_K, BLOCK_N] tile of a [rows, K] weight: through `ptrs` (masked, `W_EVICT` the loads' eviction
-        policy), or with TMA from the weight's tensor descriptor `desc` ([BLOCK_N, BLOCK_K] blocks): rows row ..
-        row + BLOCK_N - 1 of K group kb (zeros past the tensor's end)."""
-        if TMA:
-            return tl.trans(desc.load([row, kb * BLOCK_K]))
-        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=W_EVICT)
 
     @triton.jit
     def group_dot(q, w, s, ws, DOT: tl.constexpr):
@@ -158,15 +148,13 @@ if HAS_TRITON:
         tl.store(s_ptr + r * KB + g, sc, mask=g < KB)
 
     @triton.jit(do_not_specialize=["M"])
-    def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, out_ptr, part_ptr, count_ptr, M, N: tl.constexpr,
+    def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N: tl.constexpr,
                      K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                     TMA: tl.constexpr):
+                     BLOCK_N: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):
         """out[M, N] = xq[M, K] @ w[N, K]^T, a K step per activation group, each rescaled by its two scales.
         SPLIT > 1: program (m, n, s) takes groups [s * KB_PER_SPLIT, (s + 1) * KB_PER_SPLIT), stores its fp32
         partial in part[s] and counts itself in its tile's counter; the last of the tile's SPLIT programs to
-        arrive adds the partials in split order (deterministic) and resets the counter for the next launch.
-        TMA: the weight tiles come through w_desc, w's tensor descriptor (`weight_tile`)."""
+        arrive adds the partials in split order (deterministic) and resets the counter for the next launch."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -185,7 +173,7 @@ if HAS_TRITON:
             kb = kb0 + i
             k_ok = (kb * GROUP_K + k < K) & (kb < KB)
             a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = weight_tile(w_ptrs, k_ok[:, None] & n_ok[None, :], w_desc, pid_n * BLOCK_N, kb, GROUP_K, "", TMA)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             xs = tl.load(xs_ptrs + i, mask=m_ok & (kb < KB), other=0.0)
             ws = tl.load(ws_ptrs + i, mask=n_ok & (kb < KB), other=0.0)
             acc += group_dot(a, w, xs, ws, DOT)
@@ -425,10 +413,10 @@ def _gemm_tiles(M: int, N: int, KB: int, sms: int) -> tuple[int, int, int, int, 
     return bm, bn, min(split, KB), 4, 4
 
 
-def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=None, tma=False):
+def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=None):
     """The kernel path: x's e4m3 groups (its producer's, or one launch of the quantiser), then the GEMM (split
     over K when `tiles` or the choice says so). `tiles` = (BLOCK_M, BLOCK_N, K splits, warps, stages) overrides
-    the choice (tests); `tma`: the weight tiles by Hopper's tensor memory accelerator (a benchmark's sweep). (Each GEMM program quantising its own rows' groups instead, with the quantiser's IEEE
+    the choice (tests). (Each GEMM program quantising its own rows' groups instead, with the quantiser's IEEE
     divisions, was 3-5x slower at decode (`afc28a4`), and again since (`7d0cd0d`, undone): every N tile redoes
     them.)"""
     N, K = w.shape
@@ -450,8 +438,7 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=None, tma=Fals
     part, counts = (torch.empty(split, M, N, dtype=torch.float32, device=x.device),
                     # `_gemm_tiles` splits only grids of fewer than two programs per SM: 4096 counters serve
                     zeroed_counters("split-K tiles", x.device, grid[0] * grid[1], 4096)) if split > 1 else (out, out)
-    desc = TensorDescriptor.from_tensor(w, [bn, block[1]]) if tma else None
-    _w8a8_kernel[grid](xq, xs, w, desc, scale_inv, out, part, counts, M, N=N, K=K, GROUP_N=block[0],
-                       GROUP_K=block[1], BLOCK_M=bm, BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot,
-                       TMA=tma, num_warps=warps, num_stages=stages)
+    _w8a8_kernel[grid](xq, xs, w, scale_inv, out, part, counts, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1],
+                       BLOCK_M=bm, BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot, num_warps=warps,
+                       num_stages=stages)
     return out.view(*x.shape[:-1], N)

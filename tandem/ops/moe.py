@@ -68,9 +68,8 @@ class Aligned(NamedTuple):
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from tandem.ops.fp8 import activation_groups, group_dot, quantize_activations_triton, weight_tile
+    from tandem.ops.fp8 import activation_groups, group_dot, quantize_activations_triton
 
     @triton.jit
     def _route_token(t, logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, E, stride_t, stride_s, TOP_K: tl.constexpr,
@@ -254,26 +253,18 @@ if HAS_TRITON:
         pair = tl.load(sorted_ptr + offs_m)
         return e, offs_m, pair, pair < N_PAIRS
 
-    @triton.jit
-    def _tile_ids(N_MAJOR: tl.constexpr):
-        """(block, N tile) of this program: N_MAJOR grids launch a block's N tiles one after another."""
-        if N_MAJOR:
-            return tl.program_id(1), tl.program_id(0)
-        return tl.program_id(0), tl.program_id(1)
-
     @triton.jit(do_not_specialize=["N_PAIRS"])
-    def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                            N_PAIRS, counts_ptr, stride_x, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr, N_PAIRS,
+                            counts_ptr, stride_x, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr,
-                            ZERO_COUNTS: tl.constexpr, N_MAJOR: tl.constexpr, W_EVICT: tl.constexpr,
-                            TMA: tl.constexpr):
+                            ZERO_COUNTS: tl.constexpr):
         """FP8: x is e4m3 with scales xs [T, KB] (quantised per token and group), w e4m3 with scales
         ws [E, 2 * IB, KB] (gate rows' scale rows, then up rows'); BLOCK_K is the group, so each K step rescales
         its products once. ZERO_COUNTS (a ranked routing, whose align is done): the first program zeroes the
-        routing counters for the next layer. W_EVICT: the weight loads' eviction policy; TMA: they go through
-        `w_desc`, w's descriptor as [E * 2I, H] (`fused_experts_triton`)."""
-        pid_m, pid_n = _tile_ids(N_MAJOR)
+        routing counters for the next layer."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
         if ZERO_COUNTS > 0:
             if (pid_m == 0) & (pid_n == 0):
                 tl.store(counts_ptr + tl.arange(0, ZERO_COUNTS), tl.zeros([ZERO_COUNTS], tl.int32))
@@ -294,17 +285,16 @@ if HAS_TRITON:
         us_ptrs = gs_ptrs + IB * KB
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        g_row = (e * (2 * I) + pid_n * BLOCK_N).to(tl.int32)  # TMA: rows past I are only ever masked outputs'
         for kb in range(KB):
             if H % BLOCK_K == 0:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                w_ok = n_ok[None, :]
+                wg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                wu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
             else:
                 k_ok = kb * BLOCK_K + k < H
                 a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                w_ok = k_ok[:, None] & n_ok[None, :]
-            wg = weight_tile(g_ptrs, w_ok, w_desc, g_row, kb, BLOCK_K, W_EVICT, TMA)
-            wu = weight_tile(u_ptrs, w_ok, w_desc, g_row + I, kb, BLOCK_K, W_EVICT, TMA)
+                wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
                 s = tl.load(xs_ptrs + kb, mask=valid, other=0.0)
                 sg = tl.load(gs_ptrs + kb, mask=n_ok, other=0.0)
@@ -322,14 +312,14 @@ if HAS_TRITON:
         tl.store(out_ptrs, act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
 
     @triton.jit(do_not_specialize=["N_PAIRS"])
-    def _moe_down_kernel(inter_ptr, is_ptr, w_ptr, w_desc, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                         route_w_ptr, N_PAIRS, H: tl.constexpr, I: tl.constexpr,
+    def _moe_down_kernel(inter_ptr, is_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr,
+                         N_PAIRS, H: tl.constexpr, I: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr,
-                         N_MAJOR: tl.constexpr, W_EVICT: tl.constexpr, TMA: tl.constexpr):
+                         PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr):
         """FP8: `inter` is e4m3 with scales is [P_max, KB] (per row and group), w e4m3 with scales
-        ws [E, HB, KB]. N_MAJOR, W_EVICT, TMA: as `_moe_gate_up_kernel`'s (w_desc: w as [E * H, I])."""
-        pid_m, pid_n = _tile_ids(N_MAJOR)
+        ws [E, HB, KB]."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
         e, offs_m, pair, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, N_PAIRS, BLOCK_M)
@@ -343,16 +333,14 @@ if HAS_TRITON:
         ws_ptrs = ws_ptr + e * (HB * KB) + (n // GROUP_N) * KB
         is_ptrs = is_ptr + offs_m.to(tl.int64) * KB
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        w_row = (e * H + pid_n * BLOCK_N).to(tl.int32)
         for kb in range(KB):
             if I % BLOCK_K == 0:
                 a = tl.load(a_ptrs)
-                w_ok = n_ok[None, :]
+                w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
             else:
                 k_ok = kb * BLOCK_K + k < I
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                w_ok = k_ok[:, None] & n_ok[None, :]
-            w = weight_tile(w_ptrs, w_ok, w_desc, w_row, kb, BLOCK_K, W_EVICT, TMA)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
                 s = tl.load(is_ptrs + kb)
                 sw = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
@@ -588,12 +576,9 @@ def _configs(n_pairs: int, num_experts: int, fp8: bool = False):
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
                          shared=None, shared_logit=None, summed=True, ranks=None, block_m=None, gate_up_cfg=None,
-                         down_cfg=None, align_kernel=True, buf=None, dot=None, n_major=False, w_evict="", tma=False):
+                         down_cfg=None, align_kernel=True, buf=None, dot=None):
     """The Triton path (see the module docstring). The keyword arguments after `summed` override tiling and the
-    align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group.
-    `n_major`: each block's N tiles are launched one after another (else each N tile's blocks); `w_evict`: the
-    weight loads' eviction policy ("" or Triton's "evict_first" / "evict_last"); `tma`: the weight tiles come by
-    Hopper's tensor memory accelerator (host-side tensor descriptors; also under the interpreter)."""
+    align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     inter_size = two_i // 2
@@ -620,30 +605,23 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     # by a launch of its own (inside the GEMMs every N tile would redo the quantiser's divisions)
     xq, xs = activation_groups(x, block[1]) if fp8 else (x, x)
     inter = torch.empty(sorted_ids.shape[0], inter_size, dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = gu
     e_p2 = triton.next_power_of_2(E)  # a ranked routing's counters, zeroed by the gate/up kernel once read
     counts = routing_counters(x.device, e_p2) if ranks is not None else total
-    grid = lambda n_tiles: (n_tiles, num_blocks) if n_major else (num_blocks, n_tiles)
-    # TMA: each weight as [E * rows, K], in [BLOCK_N, BLOCK_K] tiles
-    descriptor = lambda w, bn, bk: TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [bn, bk]) if tma else None
-    bn, bk, warps, stages = gu
-    bk = block[1] if fp8 else bk
-    _moe_gate_up_kernel[grid(triton.cdiv(inter_size, bn))](
-        xq, xs, gate_up, descriptor(gate_up, bn, bk), gate_up_scale if fp8 else gate_up, inter, sorted_ids,
-        block_expert, total, n_pairs, counts, xq.stride(0),
-        TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, bn))](
+        xq, xs, gate_up, gate_up_scale if fp8 else gate_up, inter, sorted_ids, block_expert, total, n_pairs, counts,
+        xq.stride(0),
+        TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
         PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, ZERO_COUNTS=e_p2 if ranks is not None else 0,
-        N_MAJOR=n_major, W_EVICT=w_evict, TMA=tma, num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages)
     if buf is None:
         buf = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
     inter_q, inter_s = quantize_activations_triton(inter, block[1], rows=total) if fp8 else (inter, inter)
     bn, bk, warps, stages = dn
-    bk = block[1] if fp8 else bk
-    _moe_down_kernel[grid(triton.cdiv(H, bn))](
-        inter_q, inter_s, down, descriptor(down, bn, bk), down_scale if fp8 else down, buf, sorted_ids, block_expert,
-        total, route_w, n_pairs,
-        H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, N_MAJOR=n_major, W_EVICT=w_evict, TMA=tma,
-        num_warps=warps, num_stages=stages)
+    _moe_down_kernel[(num_blocks, triton.cdiv(H, bn))](
+        inter_q, inter_s, down, down_scale if fp8 else down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
+        H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, num_warps=warps, num_stages=stages)
     if shared is not None:
         return gated_sum(buf.view(T, top_k, H), shared, shared_logit)
     if top_k == 1:
