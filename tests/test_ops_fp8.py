@@ -203,8 +203,10 @@ def check_experts(out, want, max_tol, norm_tol):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("T,E,top_k", [(1, 8, 2), (5, 8, 4), (37, 16, 2)])
-def test_fp8_fused_experts_cpu_interpreter(T, E, top_k):
+@pytest.mark.parametrize("T,E,top_k,persistent", [(1, 8, 2, 0), (5, 8, 4, 0), (37, 16, 2, 0), (5, 8, 4, 3),
+                                                  (37, 16, 2, 2)])
+def test_fp8_fused_experts_cpu_interpreter(T, E, top_k, persistent):
+    """persistent: that many programs (the interpreter has one "SM"), each looping over several tiles."""
     H, I, block = 64, 48, (16, 16)  # I = 3 scale blocks: gate and up rows need their own scale rows
     gate_up, gu_scale, down, d_scale = fp8_experts(E, H, I, block, seed=T)
     g = torch.Generator().manual_seed(T + E)
@@ -214,7 +216,7 @@ def test_fp8_fused_experts_cpu_interpreter(T, E, top_k):
     kw = dict(gate_up_scale=gu_scale, down_scale=d_scale, block=block)
     buf = torch.full((T * top_k, H), float("nan"))
     got = moe.fused_experts_triton(x, gate_up, down, weights, experts, buf=buf, gate_up_cfg=(32, 16, 4, 1),
-                                   down_cfg=(32, 16, 4, 1), **kw)
+                                   down_cfg=(32, 16, 4, 1), persistent=persistent, **kw)
     assert not buf.isnan().any(), "an element of the per-pair buffer was not written"
     check_experts(got, want, 1e-4, 1e-5)
     check_experts(moe.fused_experts(x, gate_up, down, weights, experts, **kw), want, 1e-4, 1e-5)  # torch path
@@ -262,6 +264,10 @@ def test_fp8_fused_experts_gpu(T):
     # the oracle: the torch reference path in fp32 (its own quantisation of x and of SiLU(gate) * up)
     want = moe._fused_experts_torch(x.float(), gate_up, down, weights, experts, **kw).double()
     check_experts(got, want, 5e-2, 2e-2)
+    if T <= 32:  # the benchmark sweep's looping programs (`persistent`), at decode sizes
+        check_experts(moe.fused_experts_triton(x, gate_up, down, weights.to(torch.bfloat16), experts, persistent=4,
+                                               gate_up_cfg=(32, 128, 4, 8), down_cfg=(64, 128, 4, 8), **kw),
+                      want, 5e-2, 2e-2)
 
 
 @pytest.mark.gpu
