@@ -180,7 +180,7 @@ def experts(tokens, sweep, bw):
             # a program per tile
             print("    persistent (programs per SM, stages): " + "  ".join(
                 f"{time_fp8(persistent=p, gate_up_cfg=(32, 128, 4, st), down_cfg=(64, 128, 4, st)):.1f}us ({p}, {st})"
-                for p in (2, 4) for st in (8, 10)))
+                for p, st in ((2, 8), (4, 8), (8, 8), (4, 10))))
 
 
 def sweep_expert_tiles(time_fp8, block_ms, tiles):
