@@ -356,7 +356,6 @@ if HAS_TRITON:
         out_ptrs = buf_ptr + pair[:, None].to(tl.int64) * H + n[None, :]
         tl.store(out_ptrs, acc.to(buf_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
-
     @triton.jit
     def _tile_rows(sorted_ptr, block_expert_ptr, tile, tiles, N_PAIRS, N_TILES: tl.constexpr,
                    BLOCK_M: tl.constexpr):
