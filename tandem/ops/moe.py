@@ -357,6 +357,18 @@ if HAS_TRITON:
         tl.store(out_ptrs, acc.to(buf_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
     @triton.jit
+    def _first_tile(total_ptr, BLOCK_M: tl.constexpr, N_TILES: tl.constexpr):
+        """A persistent program's walk over the tiles (block, N tile): its first tile, its stride (the programs),
+        and how many tiles the align made (`_tile_rows` masks those past them)."""
+        return tl.program_id(0), tl.num_programs(0), tl.load(total_ptr) // BLOCK_M * N_TILES
+
+    @triton.jit
+    def _next_k_step(tile, kb, P, KB: tl.constexpr):
+        """After K step kb of `tile`: (the next step's tile and K group, whether `tile` is done)."""
+        done = kb == KB - 1
+        return tl.where(done, tile + P, tile), tl.where(done, 0, kb + 1), done
+
+    @triton.jit
     def _tile_rows(sorted_ptr, block_expert_ptr, tile, tiles, N_PAIRS, N_TILES: tl.constexpr,
                    BLOCK_M: tl.constexpr):
         """A persistent program's tile: its block's expert, rows, pairs and real rows (`_block_rows`; none when the
@@ -378,19 +390,16 @@ if HAS_TRITON:
         instead of each tile's program filling its pipeline anew. ITERS (constexpr: the interpreter takes no
         other loop bound) covers the worst case the host knows; K steps of tiles past those the align made load
         and store nothing."""
-        pid = tl.program_id(0)
-        P = tl.num_programs(0)
-        if ZERO_COUNTS > 0:
-            if pid == 0:
-                tl.store(counts_ptr + tl.arange(0, ZERO_COUNTS), tl.zeros([ZERO_COUNTS], tl.int32))
         N_TILES: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
         KB: tl.constexpr = (H + BLOCK_K - 1) // BLOCK_K
         IB: tl.constexpr = (I + GROUP_N - 1) // GROUP_N
-        tiles = tl.load(total_ptr) // BLOCK_M * N_TILES
+        tile, P, tiles = _first_tile(total_ptr, BLOCK_M, N_TILES)
+        if ZERO_COUNTS > 0:
+            if tile == 0:
+                tl.store(counts_ptr + tl.arange(0, ZERO_COUNTS), tl.zeros([ZERO_COUNTS], tl.int32))
         k = tl.arange(0, BLOCK_K)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        tile = pid
         kb = 0
         for _ in range(ITERS):
             e, offs_m, pair, valid, live, pid_n = _tile_rows(sorted_ptr, block_expert_ptr, tile, tiles, N_PAIRS,
@@ -413,15 +422,13 @@ if HAS_TRITON:
             else:
                 acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
                 acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
-            done = kb == KB - 1
+            tile, kb, done = _next_k_step(tile, kb, P, KB)
             if done:
                 act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
                 tl.store(inter_ptr + offs_m[:, None].to(tl.int64) * I + n[None, :],
                          act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
                 acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            tile = tl.where(done, tile + P, tile)
-            kb = tl.where(done, 0, kb + 1)
 
     @triton.jit(do_not_specialize=["N_PAIRS"])
     def _moe_down_persistent_kernel(inter_ptr, is_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr,
@@ -430,15 +437,12 @@ if HAS_TRITON:
                                     PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr,
                                     DOT: tl.constexpr, ITERS: tl.constexpr):
         """`_moe_down_kernel`'s tiles by a fixed number of programs, as `_moe_gate_up_persistent_kernel`."""
-        pid = tl.program_id(0)
-        P = tl.num_programs(0)
         N_TILES: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
         KB: tl.constexpr = (I + BLOCK_K - 1) // BLOCK_K
         HB: tl.constexpr = (H + GROUP_N - 1) // GROUP_N
-        tiles = tl.load(total_ptr) // BLOCK_M * N_TILES
+        tile, P, tiles = _first_tile(total_ptr, BLOCK_M, N_TILES)
         k = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        tile = pid
         kb = 0
         for _ in range(ITERS):
             e, offs_m, pair, valid, live, pid_n = _tile_rows(sorted_ptr, block_expert_ptr, tile, tiles, N_PAIRS,
@@ -457,14 +461,12 @@ if HAS_TRITON:
                 acc += group_dot(a, w, s, sw, DOT)
             else:
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
-            done = kb == KB - 1
+            tile, kb, done = _next_k_step(tile, kb, P, KB)
             if done:
                 rw = tl.load(route_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
                 tl.store(buf_ptr + pair[:, None].to(tl.int64) * H + n[None, :],
                          (acc * rw[:, None]).to(buf_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            tile = tl.where(done, tile + P, tile)
-            kb = tl.where(done, 0, kb + 1)
 
 
 # ---------------------------------------------------------------------------------------------------- dispatch
