@@ -192,13 +192,18 @@ class _Context:
             fn()
 
 
+def _engine(**overrides) -> Engine:
+    """An engine in this process, by default as the cluster's workers run (ENGINE's settings)."""
+    settings = dict(block_size=4, max_num_seqs=6, max_model_len=1024, max_num_batched_tokens=64,
+                    num_speculative_tokens=K, dtype=torch.float32, device="cpu") | overrides
+    cfg, model, _ = load_model(MODEL, "cpu", torch.float32)
+    return Engine(cfg, model, EngineConfig(**settings))
+
+
 @pytest.fixture(scope="module")
 def slow_worker():
     """A decode worker whose prompts are prefilled in many slow chunks (4 tokens a step, 0.1 s per step)."""
-    ecfg = EngineConfig(block_size=4, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=4,
-                        num_speculative_tokens=K, dtype=torch.float32, device="cpu")
-    cfg, model, _ = load_model(MODEL, "cpu", torch.float32)
-    engine = Engine(cfg, model, ecfg)
+    engine = _engine(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=4)
     step = engine.step
 
     def slow_step():
@@ -212,10 +217,9 @@ def slow_worker():
     worker.stop()
 
 
-def _reserve(worker, rid):
-    sp = sampling_to_proto(SamplingParams(max_tokens=8, temperature=0.0))
-    return worker.Reserve(worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=list(range(2, 82)),
-                                                    sampling=sp), _Context())
+def _reserve(worker, rid, prompt=tuple(range(2, 82)), params=SamplingParams(max_tokens=8, temperature=0.0)):
+    return worker.Reserve(worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=list(prompt),
+                                                    sampling=sampling_to_proto(params)), _Context())
 
 
 def _assert_nothing_held(worker):
@@ -254,12 +258,6 @@ def test_cancelled_prefill_frees_it(slow_worker):
     _assert_nothing_held(slow_worker)
 
 
-def _engine() -> Engine:
-    """An engine as the cluster's workers run (ENGINE's settings), in this process."""
-    ecfg = EngineConfig(block_size=4, max_num_seqs=6, max_model_len=1024, max_num_batched_tokens=64,
-                        num_speculative_tokens=K, dtype=torch.float32, device="cpu")
-    cfg, model, _ = load_model(MODEL, "cpu", torch.float32)
-    return Engine(cfg, model, ecfg)
 
 
 def test_stream_interval_holds_tokens_back(oracle):
@@ -295,8 +293,7 @@ def fast_worker():
 
 
 def _prefilled(worker, rid, prompt, params):
-    lease = worker.Reserve(worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt,
-                                                     sampling=sampling_to_proto(params)), _Context())
+    lease = _reserve(worker, rid, prompt, params)
     first = worker.Prefill(worker_pb2.PrefillRequest(request_id=rid, lease=lease), _Context())
     return lease, first
 
