@@ -26,18 +26,26 @@ if HAS_TRITON:
     from tandem.ops.fp8 import quantize_rows, store_groups
 
     @triton.jit
-    def _rms_norm_1p_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n_cols, eps, BLOCK: tl.constexpr, G: tl.constexpr):
-        """G > 0: also the output's e4m3 groups of G (then n_cols == BLOCK)."""
-        row = tl.program_id(0).to(tl.int64)
+    def _store_norm_1p(x, w_ptr, out_ptr, q_ptr, s_ptr, row, n_cols, eps, BLOCK: tl.constexpr, G: tl.constexpr):
+        """Row `row`'s norm (x: its fp32 values, zero past n_cols) stored to out, and with G > 0 its e4m3 groups
+        of G (then n_cols == BLOCK)."""
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
         if G > 0:
             store_groups(y, q_ptr, s_ptr, row * BLOCK, BLOCK, G)
+
+    @triton.jit
+    def _rms_norm_1p_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n_cols, eps, BLOCK: tl.constexpr, G: tl.constexpr):
+        """G > 0: also the output's e4m3 groups of G (then n_cols == BLOCK)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        _store_norm_1p(x, w_ptr, out_ptr, q_ptr, s_ptr, row, n_cols, eps, BLOCK, G)
 
     @triton.jit
     def _add_rms_norm_1p_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr, n_cols, eps,
@@ -53,13 +61,7 @@ if HAS_TRITON:
             d = d.to(sum_ptr.dtype.element_ty).to(tl.float32)
         x = (h + d).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
-        x = x.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (x * inv * (1.0 + w)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
-        if G > 0:
-            store_groups(y, q_ptr, s_ptr, row * BLOCK, BLOCK, G)
+        _store_norm_1p(x.to(tl.float32), w_ptr, out_ptr, q_ptr, s_ptr, row, n_cols, eps, BLOCK, G)
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n_rows, n_cols, heads, stride_zt,
