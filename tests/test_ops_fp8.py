@@ -222,6 +222,27 @@ def test_fp8_fused_experts_cpu_interpreter(T, E, top_k, persistent):
     check_experts(moe.fused_experts(x, gate_up, down, weights, experts, **kw), want, 1e-4, 1e-5)  # torch path
 
 
+@needs_interpreter
+def test_fp8_decode_persistent_setting(monkeypatch):
+    """`moe.FP8_DECODE_PERSISTENT` sends the dispatch's FP8 decode-size experts through the looping programs
+    (the only path that asks for the SM count), with the same result as a program per tile."""
+    T, E, top_k, H, I, block = 3, 8, 2, 64, 48, (16, 16)
+    gate_up, gu_scale, down, d_scale = fp8_experts(E, H, I, block, seed=11)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(T, H, generator=g)
+    weights, experts = moe.route_torch(x, torch.randn(E, H, generator=g), top_k, renormalize=True)
+    kw = dict(gate_up_scale=gu_scale, down_scale=d_scale, block=block)
+    asked = []
+    monkeypatch.setattr(moe, "sm_count", lambda device: asked.append(device) or 1)
+    per_tile = moe.fused_experts_triton(x, gate_up, down, weights, experts, **kw)
+    assert not asked  # unset: a program per tile
+    monkeypatch.setattr(moe, "FP8_DECODE_PERSISTENT", (2, 1))
+    looping = moe.fused_experts_triton(x, gate_up, down, weights, experts, **kw)
+    assert len(asked) == 2  # gate/up and down
+    check_experts(looping, experts64(x, gate_up, gu_scale, down, d_scale, weights, experts, block), 1e-4, 1e-5)
+    assert torch.equal(looping, per_tile)  # the same tiles in the same K order
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu

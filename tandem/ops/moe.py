@@ -33,7 +33,8 @@ CUDA graph:
    routing weight and stored to the pair's own row of `buf [T*top_k, H]` (each pair is written exactly once: no
    atomics). `buf.view(T, top_k, H).sum(1)` then adds the top_k contributions in a fixed order: deterministic.
    Steps 3 and 4 may instead run as a few programs per SM that each loop over their share of the (block, N tile)
-   tiles (`persistent`, a variant the FP8 benchmark times: one pipeline across tiles instead of one per tile).
+   tiles (`persistent`: one pipeline across tiles instead of one per tile; the FP8 benchmarks time it, and
+   `FP8_DECODE_PERSISTENT` makes it the FP8 decode-size dispatch).
 
 FP8 experts (e4m3 weights with 128 x 128 block scales) run the same two kernels with e4m3 dots: x is quantised per
 token and 128-channel group before step 3 (by the norm that produced it, when it did: `activation_groups`), and
@@ -55,6 +56,9 @@ from tandem.ops.triton_utils import HAS_TRITON, use_triton, zeroed_counters
 # (decode, verify) the align ranks pairs instead, RANK_PAIRS a program
 ALIGN_CHUNK = 1024
 RANK_PAIRS = 64
+# FP8 experts at decode sizes (16-row blocks): (programs per SM, pipeline stages) of the persistent GEMMs, or None
+# for a program per tile. Not yet timed in a model step on a GPU: `benchmarks/step.py --experts-persistent` sets it
+FP8_DECODE_PERSISTENT: tuple[int, int] | None = None
 
 
 class Aligned(NamedTuple):
@@ -690,11 +694,11 @@ def _configs(n_pairs: int, num_experts: int, fp8: bool = False):
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
                          shared=None, shared_logit=None, summed=True, ranks=None, block_m=None, gate_up_cfg=None,
-                         down_cfg=None, align_kernel=True, buf=None, dot=None, persistent=0):
+                         down_cfg=None, align_kernel=True, buf=None, dot=None, persistent=None):
     """The Triton path (see the module docstring). The keyword arguments after `summed` override tiling and the
     align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group.
     `persistent` > 0: each GEMM by that many programs per SM, each looping over its share of the tiles
-    (`_moe_gate_up_persistent_kernel`), instead of a program per tile (a benchmark's sweep)."""
+    (`_moe_gate_up_persistent_kernel`), 0: a program per tile; None: FP8_DECODE_PERSISTENT decides."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     inter_size = two_i // 2
@@ -704,6 +708,10 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
         return torch.zeros_like(x)
     fp8 = block is not None
     bm, gu, dn, size_dot = _configs(n_pairs, E, fp8)
+    if persistent is None:
+        persistent, stages = FP8_DECODE_PERSISTENT if fp8 and bm == 16 and FP8_DECODE_PERSISTENT else (0, 0)
+        if persistent:  # the block's indirect loads take stages of their own (8 stages: 3 weight buffers)
+            gu, dn = (*gu[:3], stages), (*dn[:3], stages)
     bm, gu, dn, dot = block_m or bm, gate_up_cfg or gu, down_cfg or dn, size_dot if dot is None else dot
     x = x.contiguous() if x.stride(1) != 1 else x
     gate_up, down = gate_up.contiguous(), down.contiguous()
