@@ -10,11 +10,11 @@ tiles and K splits at decode and verify sizes (row tiles up to 128 at verify row
 beside them at decode rows, when this torch has it), and
 prefill tiles with `group_dot`'s DOT 0 (e4m3 with Hopper's fast accumulation inside each 128-wide group, as
 DeepSeek's and vLLM's block-FP8 GEMMs; the dispatch's at prefill sizes) and 1 (promoted to fp32 every K = 32;
-the dispatch's at decode sizes); for the experts DOT 0, 1 and 2 (bf16 upcast), their tiles at decode and
-prefill sizes, and at decode sizes their GEMMs by a few looping programs per SM (`persistent`). The prefill
-GEMMs are compute-bound: there the bf16 column is the bar, not the floor. Floor = bytes the call must move
-(e4m3 weight and scales, activations in and out) at --bandwidth-gbs. The experts are the 35B-A3B's with its
-shared expert hosted as expert E (`Experts.host`), each token routed to it too, as at decode sizes.
+the dispatch's at decode sizes); for the experts DOT 0, 1 and 2 (bf16 upcast), and their tiles at decode and
+prefill sizes. The prefill GEMMs are compute-bound: there the bf16 column is the bar, not the floor. Floor = bytes
+the call must move (e4m3 weight and scales, activations in and out) at --bandwidth-gbs. The experts are the
+35B-A3B's with its shared expert hosted as expert E (`Experts.host`), each token routed to it too, as at decode
+sizes.
 """
 
 from __future__ import annotations
@@ -175,12 +175,6 @@ def experts(tokens, sweep, bw):
         elif sweep and t * TOP_K <= 4 * E:  # decode sizes: weight-streaming, narrow tiles spread over the SMs
             sweep_expert_tiles(time_fp8, (16,), [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4),
                                                  (32, 128, 2, 4), (32, 128, 4, 6), (128, 128, 4, 4)])
-            # the GEMMs by a few looping programs per SM (`persistent`), whose weight stream runs on across tiles;
-            # the block's indirect loads take pipeline stages of their own: 8 stages buffer 3 weight tiles, as 4 do
-            # a program per tile
-            print("    persistent (programs per SM, stages): " + "  ".join(
-                f"{time_fp8(persistent=p, gate_up_cfg=(32, 128, 4, st), down_cfg=(64, 128, 4, st)):.1f}us ({p}, {st})"
-                for p, st in ((2, 8), (4, 8), (8, 8), (4, 10))))
 
 
 def sweep_expert_tiles(time_fp8, block_ms, tiles):

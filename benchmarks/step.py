@@ -70,7 +70,7 @@ from tandem.engine.llm import Engine, build_model, load_model, model_config  # n
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.model.presets import PRESETS  # noqa: E402
 from tandem.model.qwen3_5 import DecoderLayer  # noqa: E402
-from tandem.ops import gdn, moe  # noqa: E402
+from tandem.ops import gdn  # noqa: E402
 from tandem.ops.gdn import pending_width  # noqa: E402
 from tandem.profiling import PREFIX  # noqa: E402
 from trace_gaps import summarize  # noqa: E402  (this script's directory is on sys.path)
@@ -591,9 +591,6 @@ def main():
     ap.add_argument("--quantizer-launches", action="store_true",
                     help="FP8: quantise each GEMM input by a launch of its own instead of in the kernel that "
                          "produced it (the norms, the attention output gate), to compare the two")
-    ap.add_argument("--experts-persistent", metavar="P,STAGES", default=None,
-                    help="FP8 decode sizes: the experts' GEMMs by P looping programs per SM with STAGES pipeline "
-                         "stages (moe.FP8_DECODE_PERSISTENT), to compare with a program per tile")
     args = ap.parse_args()
     if args.trace:
         args.profile = True
@@ -616,10 +613,6 @@ def main():
         cfg, model = model_config(args.model)[0], None
     else:
         cfg, model, _ = load_model(args.model, args.device, dtype)
-    if args.experts_persistent:
-        if args.tensor_parallel_size > 1:
-            raise SystemExit("--experts-persistent: set in this process only, not in tensor-parallel ranks")
-        moe.FP8_DECODE_PERSISTENT = tuple(int(v) for v in args.experts_persistent.split(","))
     if args.quantizer_launches:
         for layer in model.modules():
             if isinstance(layer, DecoderLayer):

@@ -86,7 +86,7 @@ def _as_h200() -> None:
     for module in (attention, fp8, gdn, linear, moe, norm, pointwise, rope):
         module.use_triton = lambda x: True
     attention._target_programs = lambda device: attention.PROGRAMS_PER_SM * H200_SMS
-    fp8.sm_count = moe.sm_count = lambda device: H200_SMS
+    fp8._sm_count = lambda device: H200_SMS
     gdn.HAS_FLA = False  # long prompts take fla's kernels on the GPU; ours then take every row here
     # FP8 GEMMs of the rows cuBLAS takes (`fp8._cublas_fits`) launch no Triton GEMM there, only the quantiser
     fp8.cublas_layout = lambda device: (1, 1)

@@ -203,10 +203,8 @@ def check_experts(out, want, max_tol, norm_tol):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("T,E,top_k,persistent", [(1, 8, 2, 0), (5, 8, 4, 0), (37, 16, 2, 0), (5, 8, 4, 3),
-                                                  (37, 16, 2, 2)])
-def test_fp8_fused_experts_cpu_interpreter(T, E, top_k, persistent):
-    """persistent: that many programs (the interpreter has one "SM"), each looping over several tiles."""
+@pytest.mark.parametrize("T,E,top_k", [(1, 8, 2), (5, 8, 4), (37, 16, 2)])
+def test_fp8_fused_experts_cpu_interpreter(T, E, top_k):
     H, I, block = 64, 48, (16, 16)  # I = 3 scale blocks: gate and up rows need their own scale rows
     gate_up, gu_scale, down, d_scale = fp8_experts(E, H, I, block, seed=T)
     g = torch.Generator().manual_seed(T + E)
@@ -216,31 +214,10 @@ def test_fp8_fused_experts_cpu_interpreter(T, E, top_k, persistent):
     kw = dict(gate_up_scale=gu_scale, down_scale=d_scale, block=block)
     buf = torch.full((T * top_k, H), float("nan"))
     got = moe.fused_experts_triton(x, gate_up, down, weights, experts, buf=buf, gate_up_cfg=(32, 16, 4, 1),
-                                   down_cfg=(32, 16, 4, 1), persistent=persistent, **kw)
+                                   down_cfg=(32, 16, 4, 1), **kw)
     assert not buf.isnan().any(), "an element of the per-pair buffer was not written"
     check_experts(got, want, 1e-4, 1e-5)
     check_experts(moe.fused_experts(x, gate_up, down, weights, experts, **kw), want, 1e-4, 1e-5)  # torch path
-
-
-@needs_interpreter
-def test_fp8_decode_persistent_setting(monkeypatch):
-    """`moe.FP8_DECODE_PERSISTENT` sends the dispatch's FP8 decode-size experts through the looping programs
-    (the only path that asks for the SM count), with the same result as a program per tile."""
-    T, E, top_k, H, I, block = 3, 8, 2, 64, 48, (16, 16)
-    gate_up, gu_scale, down, d_scale = fp8_experts(E, H, I, block, seed=11)
-    g = torch.Generator().manual_seed(12)
-    x = torch.randn(T, H, generator=g)
-    weights, experts = moe.route_torch(x, torch.randn(E, H, generator=g), top_k, renormalize=True)
-    kw = dict(gate_up_scale=gu_scale, down_scale=d_scale, block=block)
-    asked = []
-    monkeypatch.setattr(moe, "sm_count", lambda device: asked.append(device) or 1)
-    per_tile = moe.fused_experts_triton(x, gate_up, down, weights, experts, **kw)
-    assert not asked  # unset: a program per tile
-    monkeypatch.setattr(moe, "FP8_DECODE_PERSISTENT", (2, 1))
-    looping = moe.fused_experts_triton(x, gate_up, down, weights, experts, **kw)
-    assert len(asked) == 2  # gate/up and down
-    check_experts(looping, experts64(x, gate_up, gu_scale, down, d_scale, weights, experts, block), 1e-4, 1e-5)
-    assert torch.equal(looping, per_tile)  # the same tiles in the same K order
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -285,10 +262,6 @@ def test_fp8_fused_experts_gpu(T):
     # the oracle: the torch reference path in fp32 (its own quantisation of x and of SiLU(gate) * up)
     want = moe._fused_experts_torch(x.float(), gate_up, down, weights, experts, **kw).double()
     check_experts(got, want, 5e-2, 2e-2)
-    if T <= 32:  # the benchmark sweep's looping programs (`persistent`), at decode sizes
-        check_experts(moe.fused_experts_triton(x, gate_up, down, weights.to(torch.bfloat16), experts, persistent=4,
-                                               gate_up_cfg=(32, 128, 4, 8), down_cfg=(64, 128, 4, 8), **kw),
-                      want, 5e-2, 2e-2)
 
 
 @pytest.mark.gpu

@@ -389,7 +389,7 @@ def dot_mode(block_m: int) -> int:
     return 0 if block_m >= 64 else 1
 
 
-def sm_count(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":  # the interpreter: one "SM"
         return 1
     index = _device_index(device)
@@ -428,7 +428,7 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=None):
     if not M:
         return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     kb = cdiv(K, block[1])
-    bm, bn, split, warps, stages = tiles or _gemm_tiles(M, N, kb, sm_count(x.device))
+    bm, bn, split, warps, stages = tiles or _gemm_tiles(M, N, kb, _sm_count(x.device))
     dot = dot_mode(bm) if dot is None else dot
     per_split = cdiv(kb, split)
     split = cdiv(kb, per_split)

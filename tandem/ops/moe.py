@@ -32,9 +32,6 @@ CUDA graph:
 4. `_moe_down_kernel`: a grouped GEMM over (block, H tile) of `inter` by the expert's down weight, scaled by the
    routing weight and stored to the pair's own row of `buf [T*top_k, H]` (each pair is written exactly once: no
    atomics). `buf.view(T, top_k, H).sum(1)` then adds the top_k contributions in a fixed order: deterministic.
-   Steps 3 and 4 may instead run as a few programs per SM that each loop over their share of the (block, N tile)
-   tiles (`persistent`: one pipeline across tiles instead of one per tile; the FP8 benchmarks time it, and
-   `FP8_DECODE_PERSISTENT` makes it the FP8 decode-size dispatch).
 
 FP8 experts (e4m3 weights with 128 x 128 block scales) run the same two kernels with e4m3 dots: x is quantised per
 token and 128-channel group before step 3 (by the norm that produced it, when it did: `activation_groups`), and
@@ -48,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.fp8 import dot_mode, sm_count, w8a8_linear_torch
+from tandem.ops.fp8 import dot_mode, w8a8_linear_torch
 from tandem.ops.pointwise import gated_sum, silu_mul_torch
 from tandem.ops.triton_utils import HAS_TRITON, use_triton, zeroed_counters
 
@@ -56,9 +53,6 @@ from tandem.ops.triton_utils import HAS_TRITON, use_triton, zeroed_counters
 # (decode, verify) the align ranks pairs instead, RANK_PAIRS a program
 ALIGN_CHUNK = 1024
 RANK_PAIRS = 64
-# FP8 experts at decode sizes (16-row blocks): (programs per SM, pipeline stages) of the persistent GEMMs, or None
-# for a program per tile. Not yet timed in a model step on a GPU: `benchmarks/step.py --experts-persistent` sets it
-FP8_DECODE_PERSISTENT: tuple[int, int] | None = None
 
 
 class Aligned(NamedTuple):
@@ -360,118 +354,6 @@ if HAS_TRITON:
         out_ptrs = buf_ptr + pair[:, None].to(tl.int64) * H + n[None, :]
         tl.store(out_ptrs, acc.to(buf_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
-    @triton.jit
-    def _first_tile(total_ptr, BLOCK_M: tl.constexpr, N_TILES: tl.constexpr):
-        """A persistent program's walk over the tiles (block, N tile): its first tile, its stride (the programs),
-        and how many tiles the align made (`_tile_rows` masks those past them)."""
-        return tl.program_id(0), tl.num_programs(0), tl.load(total_ptr) // BLOCK_M * N_TILES
-
-    @triton.jit
-    def _next_k_step(tile, kb, P, KB: tl.constexpr):
-        """After K step kb of `tile`: (the next step's tile and K group, whether `tile` is done)."""
-        done = kb == KB - 1
-        return tl.where(done, tile + P, tile), tl.where(done, 0, kb + 1), done
-
-    @triton.jit
-    def _tile_rows(sorted_ptr, block_expert_ptr, tile, tiles, N_PAIRS, N_TILES: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
-        """A persistent program's tile: its block's expert, rows, pairs and real rows (`_block_rows`; none when the
-        tile is past the `tiles` the align made), whether it is one, and its N tile."""
-        live = tile < tiles
-        e, offs_m, pair, valid = _block_rows(sorted_ptr, block_expert_ptr, tl.where(live, tile // N_TILES, 0),
-                                             N_PAIRS, BLOCK_M)
-        return e, offs_m, pair, valid & live, live, tile % N_TILES
-
-    @triton.jit(do_not_specialize=["N_PAIRS"])
-    def _moe_gate_up_persistent_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, inter_ptr, sorted_ptr, block_expert_ptr,
-                                       total_ptr, N_PAIRS, counts_ptr, stride_x, TOP_K: tl.constexpr,
-                                       H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
-                                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                                       FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr,
-                                       ZERO_COUNTS: tl.constexpr, ITERS: tl.constexpr):
-        """`_moe_gate_up_kernel`'s tiles (block, N tile) taken by a fixed number P of programs, tiles p, p + P, ...
-        by program p, as one loop over their K steps, so the weight stream runs on from one tile into the next
-        instead of each tile's program filling its pipeline anew. ITERS (constexpr: the interpreter takes no
-        other loop bound) covers the worst case the host knows; K steps of tiles past those the align made load
-        and store nothing."""
-        N_TILES: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
-        KB: tl.constexpr = (H + BLOCK_K - 1) // BLOCK_K
-        IB: tl.constexpr = (I + GROUP_N - 1) // GROUP_N
-        tile, P, tiles = _first_tile(total_ptr, BLOCK_M, N_TILES)
-        if ZERO_COUNTS > 0:
-            if tile == 0:
-                tl.store(counts_ptr + tl.arange(0, ZERO_COUNTS), tl.zeros([ZERO_COUNTS], tl.int32))
-        k = tl.arange(0, BLOCK_K)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        kb = 0
-        for _ in range(ITERS):
-            e, offs_m, pair, valid, live, pid_n = _tile_rows(sorted_ptr, block_expert_ptr, tile, tiles, N_PAIRS,
-                                                             N_TILES, BLOCK_M)
-            tok = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
-            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = (n < I) & live
-            kk = kb * BLOCK_K + k
-            k_ok = kk < H
-            a = tl.load(x_ptr + tok[:, None] * stride_x + kk[None, :], mask=valid[:, None] & k_ok[None, :],
-                        other=0.0)
-            g_ptrs = w_ptr + e * (2 * I * H) + n[None, :].to(tl.int64) * H + kk[:, None]  # [BLOCK_K, BLOCK_N]
-            wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            wu = tl.load(g_ptrs + I * H, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FP8:
-                s = tl.load(xs_ptr + tok * KB + kb, mask=valid, other=0.0)
-                gs_ptrs = ws_ptr + e * (2 * IB * KB) + (n // GROUP_N) * KB + kb
-                acc_g += group_dot(a, wg, s, tl.load(gs_ptrs, mask=n_ok, other=0.0), DOT)
-                acc_u += group_dot(a, wu, s, tl.load(gs_ptrs + IB * KB, mask=n_ok, other=0.0), DOT)
-            else:
-                acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
-            tile, kb, done = _next_k_step(tile, kb, P, KB)
-            if done:
-                act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-                tl.store(inter_ptr + offs_m[:, None].to(tl.int64) * I + n[None, :],
-                         act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
-                acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-
-    @triton.jit(do_not_specialize=["N_PAIRS"])
-    def _moe_down_persistent_kernel(inter_ptr, is_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr,
-                                    total_ptr, route_w_ptr, N_PAIRS, H: tl.constexpr, I: tl.constexpr,
-                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr,
-                                    DOT: tl.constexpr, ITERS: tl.constexpr):
-        """`_moe_down_kernel`'s tiles by a fixed number of programs, as `_moe_gate_up_persistent_kernel`."""
-        N_TILES: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
-        KB: tl.constexpr = (I + BLOCK_K - 1) // BLOCK_K
-        HB: tl.constexpr = (H + GROUP_N - 1) // GROUP_N
-        tile, P, tiles = _first_tile(total_ptr, BLOCK_M, N_TILES)
-        k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        kb = 0
-        for _ in range(ITERS):
-            e, offs_m, pair, valid, live, pid_n = _tile_rows(sorted_ptr, block_expert_ptr, tile, tiles, N_PAIRS,
-                                                             N_TILES, BLOCK_M)
-            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = (n < H) & live
-            kk = kb * BLOCK_K + k
-            k_ok = kk < I
-            a = tl.load(inter_ptr + offs_m[:, None].to(tl.int64) * I + kk[None, :], mask=live & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + e * (H * I) + n[None, :].to(tl.int64) * I + kk[:, None],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FP8:
-                s = tl.load(is_ptr + offs_m.to(tl.int64) * KB + kb, mask=live, other=0.0)
-                sw = tl.load(ws_ptr + e * (HB * KB) + (n // GROUP_N) * KB + kb, mask=n_ok, other=0.0)
-                acc += group_dot(a, w, s, sw, DOT)
-            else:
-                acc = tl.dot(a, w, acc, input_precision=PRECISION)
-            tile, kb, done = _next_k_step(tile, kb, P, KB)
-            if done:
-                rw = tl.load(route_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-                tl.store(buf_ptr + pair[:, None].to(tl.int64) * H + n[None, :],
-                         (acc * rw[:, None]).to(buf_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
-                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-
 
 # ---------------------------------------------------------------------------------------------------- dispatch
 
@@ -694,11 +576,9 @@ def _configs(n_pairs: int, num_experts: int, fp8: bool = False):
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
                          shared=None, shared_logit=None, summed=True, ranks=None, block_m=None, gate_up_cfg=None,
-                         down_cfg=None, align_kernel=True, buf=None, dot=None, persistent=None):
+                         down_cfg=None, align_kernel=True, buf=None, dot=None):
     """The Triton path (see the module docstring). The keyword arguments after `summed` override tiling and the
-    align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group.
-    `persistent` > 0: each GEMM by that many programs per SM, each looping over its share of the tiles
-    (`_moe_gate_up_persistent_kernel`), 0: a program per tile; None: FP8_DECODE_PERSISTENT decides."""
+    align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     inter_size = two_i // 2
@@ -708,10 +588,6 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
         return torch.zeros_like(x)
     fp8 = block is not None
     bm, gu, dn, size_dot = _configs(n_pairs, E, fp8)
-    if persistent is None:
-        persistent, stages = FP8_DECODE_PERSISTENT if fp8 and bm == 16 and FP8_DECODE_PERSISTENT else (0, 0)
-        if persistent:  # the block's indirect loads take stages of their own (8 stages: 3 weight buffers)
-            gu, dn = (*gu[:3], stages), (*dn[:3], stages)
     bm, gu, dn, dot = block_m or bm, gate_up_cfg or gu, down_cfg or dn, size_dot if dot is None else dot
     x = x.contiguous() if x.stride(1) != 1 else x
     gate_up, down = gate_up.contiguous(), down.contiguous()
@@ -732,33 +608,20 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     bn, bk, warps, stages = gu
     e_p2 = triton.next_power_of_2(E)  # a ranked routing's counters, zeroed by the gate/up kernel once read
     counts = routing_counters(x.device, e_p2) if ranks is not None else total
-
-    def launch(per_tile, looping, n_tiles, k_steps):
-        """(kernel on its grid, extra constants): a program per (block, N tile), or `persistent` programs per SM
-        looping over up to ITERS K steps each."""
-        if not persistent:
-            return per_tile[(num_blocks, n_tiles)], {}
-        programs = min(num_blocks * n_tiles, persistent * sm_count(x.device))
-        return looping[(programs,)], dict(ITERS=triton.cdiv(num_blocks * n_tiles, programs) * k_steps)
-
-    bk = block[1] if fp8 else bk
-    kernel, extra = launch(_moe_gate_up_kernel, _moe_gate_up_persistent_kernel, triton.cdiv(inter_size, bn),
-                           triton.cdiv(H, bk))
-    kernel(xq, xs, gate_up, gate_up_scale if fp8 else gate_up, inter, sorted_ids, block_expert, total, n_pairs,
-           counts, xq.stride(0),
-           TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-           PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, ZERO_COUNTS=e_p2 if ranks is not None else 0,
-           num_warps=warps, num_stages=stages, **extra)
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, bn))](
+        xq, xs, gate_up, gate_up_scale if fp8 else gate_up, inter, sorted_ids, block_expert, total, n_pairs, counts,
+        xq.stride(0),
+        TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, ZERO_COUNTS=e_p2 if ranks is not None else 0,
+        num_warps=warps, num_stages=stages)
     if buf is None:
         buf = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
     inter_q, inter_s = quantize_activations_triton(inter, block[1], rows=total) if fp8 else (inter, inter)
     bn, bk, warps, stages = dn
-    bk = block[1] if fp8 else bk
-    kernel, extra = launch(_moe_down_kernel, _moe_down_persistent_kernel, triton.cdiv(H, bn),
-                           triton.cdiv(inter_size, bk))
-    kernel(inter_q, inter_s, down, down_scale if fp8 else down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
-           H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-           PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, num_warps=warps, num_stages=stages, **extra)
+    _moe_down_kernel[(num_blocks, triton.cdiv(H, bn))](
+        inter_q, inter_s, down, down_scale if fp8 else down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
+        H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, num_warps=warps, num_stages=stages)
     if shared is not None:
         return gated_sum(buf.view(T, top_k, H), shared, shared_logit)
     if top_k == 1:
