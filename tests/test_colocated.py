@@ -3,6 +3,7 @@ worker prefills the requests it leased itself, no hand-off) against the colocate
 streaming (gRPC and HTTP), abort and cancel leaving nothing allocated, and the decode worker's Prefill contract
 (unknown lease, wrong token, reused lease; in process: a lease that expires while prefilling, a cancelled Prefill)."""
 
+import argparse
 import json
 import queue
 import threading
@@ -19,13 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster import Cluster, assert_idle, cancel_at_three_stages, long_request
 from decode_worker.server import DecodeWorker
 from tandem import LLM, SamplingParams
-from tandem.config import EngineConfig
 from tandem.engine.llm import Engine, load_model
 from tandem.metrics import Metrics
 from tandem.rpc import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.server import make_channel
-from tandem.worker_setup import DEFAULT_MODEL
+from tandem.worker_setup import DEFAULT_MODEL, add_engine_args, engine_config
 
 K = 2
 MODEL = DEFAULT_MODEL  # the trained tandem-tiny: its MTP drafts are really accepted
@@ -192,18 +192,19 @@ class _Context:
             fn()
 
 
-def _engine(**overrides) -> Engine:
-    """An engine in this process, by default as the cluster's workers run (ENGINE's settings)."""
-    settings = dict(block_size=4, max_num_seqs=6, max_model_len=1024, max_num_batched_tokens=64,
-                    num_speculative_tokens=K, dtype=torch.float32, device="cpu") | overrides
+def _engine(*flags) -> Engine:
+    """An engine in this process, configured as the cluster's workers are (ENGINE, then `flags` overriding it)."""
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    ecfg = engine_config(ap.parse_args([*ENGINE, "--device", "cpu", *flags]))
     cfg, model, _ = load_model(MODEL, "cpu", torch.float32)
-    return Engine(cfg, model, EngineConfig(**settings))
+    return Engine(cfg, model, ecfg)
 
 
 @pytest.fixture(scope="module")
 def slow_worker():
     """A decode worker whose prompts are prefilled in many slow chunks (4 tokens a step, 0.1 s per step)."""
-    engine = _engine(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=4)
+    engine = _engine("--max-num-seqs", "4", "--max-model-len", "256", "--max-num-batched-tokens", "4")
     step = engine.step
 
     def slow_step():
@@ -256,8 +257,6 @@ def test_cancelled_prefill_frees_it(slow_worker):
     t.join(5)
     assert not t.is_alive() and out[0].finish_reason == common_pb2.FINISH_REASON_ABORT
     _assert_nothing_held(slow_worker)
-
-
 
 
 def test_stream_interval_holds_tokens_back(oracle):
