@@ -12,7 +12,8 @@ Nothing runs: the tensors are uninitialised CPU memory, and the outputs are neve
 
 Shapes: `decode:BxQ` (B requests of Q rows each on a context of 300 tokens), `prefill:N` (one N-token prompt),
 `mixed:BxQ+N` (both in one forward). Prints one line per kernel variant and exits 1 when one needs more shared
-memory than an H200 gives a block (227 KB).
+memory than an H200 gives a block (227 KB), or is launched early (programmatic dependent launch, as every kernel
+is on the H200) without waiting for the kernel before it.
 
 `--workload`: the serving check of tests/test_no_compiles.py without a GPU, on the preset's layer shapes (four
 layers, a 1024-token vocabulary: the kernels' variants do not depend on either). An engine warms up as a worker does
@@ -85,6 +86,7 @@ def _as_h200() -> None:
     """The dispatch takes the Triton path for these CPU tensors and sizes its grids for an H200's SMs."""
     for module in (attention, fp8, gdn, linear, moe, norm, pointwise, rope):
         module.use_triton = lambda x: True
+        module.pdl = lambda x: {"PDL": True, "launch_pdl": True}  # as on the H200
     attention._target_programs = lambda device: attention.PROGRAMS_PER_SM * H200_SMS
     fp8._sm_count = lambda device: H200_SMS
     gdn.HAS_FLA = False  # long prompts take fla's kernels on the GPU; ours then take every row here
@@ -248,16 +250,22 @@ def main() -> int:
         print(f"{len(late)} kernel variants compiled after the warm-up")
         return 1 if late else 0
     kernels = compile_forward_kernels(args.preset, getattr(torch, args.dtype), args.shapes.split(","))
-    too_big = 0
+    too_big = racing = 0
     for name, kernel in sorted(kernels, key=lambda nk: nk[0]):
         md, res = kernel.metadata, resources(kernel)
         over = md.shared > H200_SHARED_PER_BLOCK
+        # launched while the kernel before it runs, it must wait for that one before touching memory
+        race = md.launch_pdl and "griddepcontrol.wait" not in kernel.asm["ptx"]
         too_big += over
+        racing += race
         print(f"{name:32s} shared {md.shared:7d} B  warps {md.num_warps}  stages {md.num_stages}"
               f"  regs {res['reg']:3d}  stack {res['stack']:4d}  local {res['local']:4d}"
-              + ("  OVER THE H200's SHARED MEMORY" if over else ""))
-    print(f"{len(kernels)} kernel variants for sm_90, {too_big} over {H200_SHARED_PER_BLOCK} bytes of shared memory")
-    return 1 if too_big else 0
+              f"  early launch {'on' if md.launch_pdl else 'off'}"
+              + ("  OVER THE H200's SHARED MEMORY" if over else "")
+              + ("  LAUNCHED EARLY WITHOUT WAITING" if race else ""))
+    print(f"{len(kernels)} kernel variants for sm_90, {too_big} over {H200_SHARED_PER_BLOCK} bytes of shared memory, "
+          f"{racing} launched early without waiting for the kernel before")
+    return 1 if too_big or racing else 0
 
 
 if __name__ == "__main__":

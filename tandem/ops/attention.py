@@ -28,7 +28,7 @@ import os
 import torch
 
 from tandem.model.batch import ForwardBatch
-from tandem.ops.triton_utils import HAS_TRITON, use_triton
+from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton
 
 DECODE_MAX_Q = 8  # batches whose longest request has at most this many query rows take the decode tiling
 DECODE_BLOCK_N, PREFILL_M, PREFILL_BLOCK_N, NUM_STAGES = 32, 128, 64, 2  # prefill: benchmarks/prefill_ops.py --sweep
@@ -45,6 +45,8 @@ PROGRAMS_PER_SM = 2  # split-K aims at this many programs per SM
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from tandem.ops.triton_utils import wait_for_prior_kernels
 
     @triton.jit
     def _kv_step(q, m_i, l_i, acc, start, hi_k, q_pos, bt_row, k_ptr, v_ptr, kvh, qk_scale,
@@ -83,8 +85,9 @@ if HAS_TRITON:
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TQ: tl.constexpr, SEARCH_STEPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT_K: tl.constexpr, MIN_CHUNK: tl.constexpr, ONE_TILE_PER_REQ: tl.constexpr, PRECISION: tl.constexpr,
-        LOOP_WHILE: tl.constexpr,
+        LOOP_WHILE: tl.constexpr, PDL: tl.constexpr,
     ):
+        wait_for_prior_kernels(PDL)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -163,9 +166,11 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["num_rows", "num_splits"])
     def _attn_reduce_kernel(out_ptr, o_part_ptr, lse_part_ptr, num_rows, num_heads, stride_ot, stride_oh, num_splits,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+                            PDL: tl.constexpr):
         """One row's partials, SPLIT_CHUNK splits at a time (one variant for every split count: they vary with the
         batch), the running sum rescaled whenever a chunk raises the largest log-sum-exp."""
+        wait_for_prior_kernels(PDL)
         row = tl.program_id(0).to(tl.int64)  # token * num_heads + head
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
@@ -284,12 +289,12 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
         BLOCK_N=bn, BLOCK_SIZE=block_size, SPLIT_K=num_splits > 1, MIN_CHUNK=triton.cdiv(min_chunk, bn) * bn,
         ONE_TILE_PER_REQ=decode, PRECISION=precision,
         LOOP_WHILE=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=warps, num_stages=NUM_STAGES,
+        num_warps=warps, num_stages=NUM_STAGES, **pdl(q),
     )
     if num_splits > 1:
         _attn_reduce_kernel[(T * H,)](out, o_part, lse_part, T * H, H, out.stride(0), out.stride(1), num_splits,
                                       HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-                                      SPLIT_CHUNK=SPLIT_CHUNK, num_warps=4)
+                                      SPLIT_CHUNK=SPLIT_CHUNK, num_warps=4, **pdl(out))
     return out
 
 

@@ -35,7 +35,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.triton_utils import HAS_TRITON, row_block, use_triton, zeroed_counters
+from tandem.ops.triton_utils import HAS_TRITON, pdl, row_block, use_triton, zeroed_counters
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from tandem.ops.triton_utils import wait_for_prior_kernels
+
     @triton.jit
     def quantize_rows(a):
         """An fp32 [M, G] tile (one activation group per row) -> (its e4m3 values, the fp32 scale of each row),
@@ -130,9 +132,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, stride_x, K: tl.constexpr, G: tl.constexpr,
-                                GB: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr):
+                                GB: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr, PDL: tl.constexpr):
         """Row r, groups [pid * GB, pid * GB + GB): e4m3 values into q [R, K], scales into s [R, KB].
         ROWS_ON_DEVICE: rows at or past *rows_ptr are skipped (the MoE's padded pair count, known only there)."""
+        wait_for_prior_kernels(PDL)
         r = tl.program_id(0)
         if ROWS_ON_DEVICE:
             if r >= tl.load(rows_ptr):
@@ -150,11 +153,13 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["M"])
     def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N: tl.constexpr,
                      K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+                     PDL: tl.constexpr):
         """out[M, N] = xq[M, K] @ w[N, K]^T, a K step per activation group, each rescaled by its two scales.
         SPLIT > 1: program (m, n, s) takes groups [s * KB_PER_SPLIT, (s + 1) * KB_PER_SPLIT), stores its fp32
         partial in part[s] and counts itself in its tile's counter; the last of the tile's SPLIT programs to
         arrive adds the partials in split order (deterministic) and resets the counter for the next launch."""
+        wait_for_prior_kernels(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -212,7 +217,7 @@ def quantize_activations_triton(x, group, rows=None):
         gb = min(triton.next_power_of_2(kb), max(1, 4096 // group))  # a [GB, group] tile of up to 4K values
         x = x if x.stride(-1) == 1 else x.contiguous()
         _quantize_groups_kernel[(R, triton.cdiv(kb, gb))](x, q, s, s if rows is None else rows, x.stride(0), K=K,
-                                                          G=group, GB=gb, ROWS_ON_DEVICE=rows is not None)
+                                                          G=group, GB=gb, ROWS_ON_DEVICE=rows is not None, **pdl(x))
     return q, s
 
 
@@ -440,5 +445,5 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=None):
                     zeroed_counters("split-K tiles", x.device, grid[0] * grid[1], 4096)) if split > 1 else (out, out)
     _w8a8_kernel[grid](xq, xs, w, scale_inv, out, part, counts, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1],
                        BLOCK_M=bm, BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot, num_warps=warps,
-                       num_stages=stages)
+                       num_stages=stages, **pdl(xq))
     return out.view(*x.shape[:-1], N)

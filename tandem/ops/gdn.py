@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from tandem.model.batch import ForwardBatch, to_device
 from tandem.ops.pointwise import gdn_gates, gdn_gates_torch
-from tandem.ops.triton_utils import HAS_TRITON, use_triton
+from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton
 
 try:  # optional GPU dependency (fla-core): the chunked prefill kernel
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_gated_delta_rule
@@ -142,7 +142,7 @@ def l2_normalize_qk_triton(q, k, eps=1e-6):
     n, br = q.numel() // D, 16
     if n:
         _l2_normalize_qk_kernel[(triton.cdiv(n, br), 2)](q.contiguous(), k.contiguous(), qo, ko, n, eps, D=D,
-                                                         BD=_pow2(D), BR=br, num_warps=4)
+                                                         BD=_pow2(D), BR=br, num_warps=4, **pdl(q))
     return qo, ko
 
 
@@ -195,6 +195,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from tandem.ops.pointwise import gdn_gate_values
+    from tandem.ops.triton_utils import wait_for_prior_kernels
 
     @triton.jit
     def _delta_update(s, kv, vv, gt, bt):
@@ -225,9 +226,10 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _l2_normalize_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, n_rows, eps, D: tl.constexpr, BD: tl.constexpr,
-                                BR: tl.constexpr):
+                                BR: tl.constexpr, PDL: tl.constexpr):
         """Rows [pid * BR, pid * BR + BR) of q into qo (program axis 1 = 0) or of k into ko (1), all [n_rows, D]
         contiguous: each row over its L2 norm, in fp32."""
+        wait_for_prior_kernels(PDL)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         cols = tl.arange(0, BD)
         ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -255,7 +257,7 @@ if HAS_TRITON:
         q_st, q_sh, k_st, k_sh, v_st, v_sh, a_st, b_st, o_st, o_sh, s_ss, s_sh, s_sk, p_ss, p_sr,
         max_rows, scale, eps,
         NK: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-        BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+        BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, PDL: tl.constexpr,
     ):
         """One program per (request, value head, dv block); requests with more than max_rows rows are skipped.
         The gates g and beta come from the projections a, b (`Gates`). The replayed rows and the first W rows
@@ -263,6 +265,7 @@ if HAS_TRITON:
         load instead of each waiting for the row before; they run unrolled, a row past the end changing nothing
         (its g, beta and k are 0). Rows after them (short prefill chunks) run one by one. A kept row is stored
         by one program per part: k by head REP * kh's first dv block, v by its own block, a and b by block 0."""
+        wait_for_prior_kernels(PDL)
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -352,12 +355,14 @@ if HAS_TRITON:
         x_ptr, cs_ptr, w_ptr, o_ptr, p_ptr, qsl_ptr, slots_ptr, replay_ptr, pend_ptr,
         x_st, cs_ss, cs_sc, cs_sk, w_sc, w_sk, p_ss, p_sr, C, T, S0, S1, split, req0,
         K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program per (request req0 + i, channel block, split); split p computes row tiles p, p+split, ... of
         its request. Only tile 0 reads the inputs from before the step (BT >= K-1 whenever there is more than one
         tile), and split 0 writes the new state (and keeps the rows) after all its reads. The output is planar:
         channels [0, S0), [S0, S1) and [S1, C) are three contiguous [T, width] blocks one after another
         (S0 = S1 = C: one [T, C] block)."""
+        wait_for_prior_kernels(PDL)
         i = req0 + tl.program_id(0)
         cb = tl.program_id(1)
         p = tl.program_id(2)
@@ -472,7 +477,7 @@ def gated_delta_rule_triton(q, k, v, gates: Gates, state, pending, batch: Forwar
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), pending.stride(0),
         pending.stride(1), max(todo) if max_rows is None else max_rows, dk**-0.5, 1e-6,
         NK=nk, REP=nv // nk, DK=dk, DV=dv, BK=_pow2(dk), BV=block_v, W=W, WP=_pow2(W),
-        num_warps=num_warps
+        num_warps=num_warps, **pdl(q)
     )
     return out
 
@@ -590,7 +595,7 @@ def causal_conv1d_triton(x, conv_state, pending, weight, batch: ForwardBatch, sp
             x, conv_state, weight, out, pending, batch.query_start_loc, batch.state_slots, batch.state_replay,
             batch.state_pending, x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
             weight.stride(0), weight.stride(1), pending.stride(0), pending.stride(1), C, T, s0, s1, sub_split, r0,
-            K=K, KP=_pow2(K - 1), W=W, WP=_pow2(W), BC=bc, BT=bt, num_warps=4,
+            K=K, KP=_pow2(K - 1), W=W, WP=_pow2(W), BC=bc, BT=bt, num_warps=4, **pdl(x),
         )
     return _planar(out, T, splits)
 

@@ -12,7 +12,7 @@ Everything else -- or not on CUDA -- is `F.linear` (the reference).
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.triton_utils import HAS_TRITON, row_block, use_triton
+from tandem.ops.triton_utils import HAS_TRITON, pdl, row_block, use_triton
 
 SKINNY_MIN_ROWS = 33  # the H200 profiles of 2026-12-05: cuBLAS up to 32 rows, this kernel at 96
 SKINNY_MAX_ROWS = 128  # verify steps; prefill rows go to cuBLAS
@@ -22,10 +22,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from tandem.ops.triton_utils import wait_for_prior_kernels
+
     @triton.jit(do_not_specialize=["M"])
     def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_x, stride_w, stride_o, K: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PRECISION: tl.constexpr):
+                              PRECISION: tl.constexpr, PDL: tl.constexpr):
+        wait_for_prior_kernels(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -68,5 +71,5 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, tiles=None) -> torch.
     _skinny_linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
         x2, w, out, M, N, x2.stride(0), w.stride(0), out.stride(0), K=K, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, **pdl(x))
     return out.view(*x.shape[:-1], N)

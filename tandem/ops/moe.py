@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from tandem.ops.fp8 import dot_mode, w8a8_linear_torch
 from tandem.ops.pointwise import gated_sum, silu_mul_torch
-from tandem.ops.triton_utils import HAS_TRITON, use_triton, zeroed_counters
+from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton, zeroed_counters
 
 # (token, slot) pairs one align program sorts in registers; more pairs take more programs. Up to this many pairs
 # (decode, verify) the align ranks pairs instead, RANK_PAIRS a program
@@ -70,6 +70,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from tandem.ops.fp8 import activation_groups, group_dot, quantize_activations_triton
+    from tandem.ops.triton_utils import wait_for_prior_kernels
 
     @triton.jit
     def _route_token(t, logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, E, stride_t, stride_s, TOP_K: tl.constexpr,
@@ -106,9 +107,10 @@ if HAS_TRITON:
     @triton.jit
     def _route_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, counts_ptr, rank_out_ptr, E, stride_t, stride_s,
                       TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORM: tl.constexpr,
-                      SHARED: tl.constexpr, RANKED: tl.constexpr):
+                      SHARED: tl.constexpr, RANKED: tl.constexpr, PDL: tl.constexpr):
         """One token a program (`_route_token`). RANKED: each pair's rank among its expert's pairs, from the
         expert's counter."""
+        wait_for_prior_kernels(PDL)
         t = tl.program_id(0).to(tl.int64)
         top_e, ks = _route_token(t, logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, E, stride_t, stride_s, TOP_K,
                                  K_P2, E_P2, RENORM, SHARED)
@@ -121,11 +123,12 @@ if HAS_TRITON:
     def _route_align_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                             T, E, stride_t, stride_s, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
                             RENORM: tl.constexpr, SHARED: tl.constexpr, EX_P2: tl.constexpr, N_P2: tl.constexpr,
-                            BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr):
+                            BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr, PDL: tl.constexpr):
         """A few tokens (at most N_P2 pairs: a decode or verify step of one request) in one program: it routes
         them one after another, then aligns their pairs as one `_moe_align_ranks_kernel` program would (the
         histogram and ranks counted here; EX_P2 covers the experts, the shared one included). One launch
         instead of two, with no counters."""
+        wait_for_prior_kernels(PDL)
         t = 0
         while t < T:  # while: the interpreter cannot take a runtime value as a range() bound
             _route_token(t, logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, E, stride_t, stride_s, TOP_K, K_P2, E_P2,
@@ -136,8 +139,9 @@ if HAS_TRITON:
                      T * (TOP_K + SHARED), EX_P2, N_P2, N_P2, N_P2, BLOCK_M, B_CHUNK, False)
 
     @triton.jit(do_not_specialize=["N"])
-    def _moe_count_kernel(experts_ptr, counts_ptr, N, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    def _moe_count_kernel(experts_ptr, counts_ptr, N, E_P2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
         """counts[c] = histogram of the experts of pairs [c * CHUNK, (c + 1) * CHUNK)."""
+        wait_for_prior_kernels(PDL)
         c = tl.program_id(0)
         pair = c * CHUNK + tl.arange(0, CHUNK)
         e = tl.load(experts_ptr + pair, mask=pair < N, other=0).to(tl.int32)
@@ -145,7 +149,8 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["N", "n_chunks"])
     def _moe_align_kernel(experts_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, n_chunks,
-                          E_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr):
+                          E_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr,
+                          PDL: tl.constexpr):
         """One program per chunk of CHUNK pairs (more than one chunk: fewer pairs take `_moe_align_ranks_kernel`).
         The chunks' histograms from `_moe_count_kernel` give each expert's padded segment and this chunk's offset
         inside it (the pairs of the chunks before). Sorting the keys expert * CHUNK + local index puts the chunk's pairs in expert order, each
@@ -154,6 +159,7 @@ if HAS_TRITON:
         e = c (mod n_chunks) and a share of `block_expert` (block b's expert: the number of experts whose segment
         ends at or before b * BLOCK_M); pairs and sentinels go to distinct slots, so no program waits for another.
         Blocks at or past `total` stay unwritten: the GEMM kernels return before reading them."""
+        wait_for_prior_kernels(PDL)
         c = tl.program_id(0)
         i = tl.arange(0, CHUNK)
         n_here = tl.minimum(N - c * CHUNK, CHUNK)
@@ -205,9 +211,10 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["N"])
     def _moe_align_ranks_kernel(experts_ptr, counts_ptr, ranks_ptr, sorted_ptr, block_expert_ptr, total_ptr, N,
                                 E_P2: tl.constexpr, N_P2: tl.constexpr, PAIRS: tl.constexpr, J_TILE: tl.constexpr,
-                                BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr, RANKED: tl.constexpr):
+                                BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr, RANKED: tl.constexpr, PDL: tl.constexpr):
         """The layout of `_moe_align_kernel` for up to N_P2 pairs (decode, verify) by several programs instead of
         one (`_place_pairs`)."""
+        wait_for_prior_kernels(PDL)
         _place_pairs(tl.program_id(0), tl.num_programs(0), experts_ptr, counts_ptr, ranks_ptr, sorted_ptr,
                      block_expert_ptr, total_ptr, N, E_P2, N_P2, PAIRS, J_TILE, BLOCK_M, B_CHUNK, RANKED)
 
@@ -258,11 +265,12 @@ if HAS_TRITON:
                             counts_ptr, stride_x, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr,
-                            ZERO_COUNTS: tl.constexpr):
+                            ZERO_COUNTS: tl.constexpr, PDL: tl.constexpr):
         """FP8: x is e4m3 with scales xs [T, KB] (quantised per token and group), w e4m3 with scales
         ws [E, 2 * IB, KB] (gate rows' scale rows, then up rows'); BLOCK_K is the group, so each K step rescales
         its products once. ZERO_COUNTS (a ranked routing, whose align is done): the first program zeroes the
         routing counters for the next layer."""
+        wait_for_prior_kernels(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if ZERO_COUNTS > 0:
@@ -315,9 +323,11 @@ if HAS_TRITON:
     def _moe_down_kernel(inter_ptr, is_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr,
                          N_PAIRS, H: tl.constexpr, I: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr):
+                         PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr,
+                         PDL: tl.constexpr):
         """FP8: `inter` is e4m3 with scales is [P_max, KB] (per row and group), w e4m3 with scales
         ws [E, HB, KB]."""
+        wait_for_prior_kernels(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -463,7 +473,7 @@ def route_logits_triton(logits, top_k, renormalize, shared_logit=None, ranked=No
         _route_kernel[(T,)](logits, shared, weights, experts, counts, ranks if ranked else experts, E,
                             logits.stride(0), shared.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(width),
                             E_P2=triton.next_power_of_2(E), RENORM=renormalize, SHARED=shared_logit is not None,
-                            RANKED=ranked, num_warps=1 if E <= 1024 else 4)
+                            RANKED=ranked, num_warps=1 if E <= 1024 else 4, **pdl(logits))
     return (weights, experts, ranks) if wanted else (weights, experts)
 
 
@@ -479,7 +489,7 @@ def _route_and_align(logits, shared, with_shared, weights, experts, top_k, renor
         logits, shared, weights, experts, out.sorted_ids, out.block_expert, out.total, T, E, logits.stride(0),
         shared.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(weights.shape[1]), E_P2=triton.next_power_of_2(E),
         RENORM=renormalize, SHARED=with_shared, EX_P2=triton.next_power_of_2(n_experts),
-        N_P2=max(16, triton.next_power_of_2(n)), BLOCK_M=block_m, B_CHUNK=16, num_warps=4)
+        N_P2=max(16, triton.next_power_of_2(n)), BLOCK_M=block_m, B_CHUNK=16, num_warps=4, **pdl(logits))
     return out
 
 
@@ -525,15 +535,15 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel:
             _moe_align_ranks_kernel[(triton.cdiv(n, pairs),)](
                 flat.contiguous(), counts, flat if ranks is None else ranks.reshape(-1), sorted_ids, block_expert,
                 total, n, E_P2=e_p2, N_P2=n_p2, PAIRS=pairs, J_TILE=min(128, n_p2), BLOCK_M=block_m, B_CHUNK=16,
-                RANKED=ranks is not None, num_warps=4)
+                RANKED=ranks is not None, num_warps=4, **pdl(counts))
         elif n:
             chunk = ALIGN_CHUNK
             n_chunks = triton.cdiv(n, chunk)
             flat = flat.contiguous()
             counts = torch.empty(n_chunks, e_p2, dtype=torch.int32, device=flat.device)
-            _moe_count_kernel[(n_chunks,)](flat, counts, n, E_P2=e_p2, CHUNK=chunk, num_warps=4)
+            _moe_count_kernel[(n_chunks,)](flat, counts, n, E_P2=e_p2, CHUNK=chunk, num_warps=4, **pdl(counts))
             _moe_align_kernel[(n_chunks,)](flat, counts, sorted_ids, block_expert, total, n, n_chunks, E_P2=e_p2,
-                                           CHUNK=chunk, BLOCK_M=block_m, B_CHUNK=16, num_warps=4)
+                                           CHUNK=chunk, BLOCK_M=block_m, B_CHUNK=16, num_warps=4, **pdl(counts))
         else:
             total.zero_()
         return sorted_ids, block_expert, total
@@ -613,7 +623,7 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
         xq.stride(0),
         TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
         PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, ZERO_COUNTS=e_p2 if ranks is not None else 0,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl(xq))
     if buf is None:
         buf = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
     inter_q, inter_s = quantize_activations_triton(inter, block[1], rows=total) if fp8 else (inter, inter)
@@ -621,7 +631,7 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     _moe_down_kernel[(num_blocks, triton.cdiv(H, bn))](
         inter_q, inter_s, down, down_scale if fp8 else down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
         H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
-        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, num_warps=warps, num_stages=stages)
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, num_warps=warps, num_stages=stages, **pdl(buf))
     if shared is not None:
         return gated_sum(buf.view(T, top_k, H), shared, shared_logit)
     if top_k == 1:

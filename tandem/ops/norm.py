@@ -17,11 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from tandem.ops.fp8 import attach_activation_groups, group_buffers
-from tandem.ops.triton_utils import HAS_TRITON, use_triton
+from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from tandem.ops.triton_utils import wait_for_prior_kernels
 
     from tandem.ops.fp8 import quantize_rows, store_groups
 
@@ -39,8 +41,10 @@ if HAS_TRITON:
             store_groups(y, q_ptr, s_ptr, row * BLOCK, BLOCK, G)
 
     @triton.jit
-    def _rms_norm_1p_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n_cols, eps, BLOCK: tl.constexpr, G: tl.constexpr):
+    def _rms_norm_1p_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n_cols, eps, BLOCK: tl.constexpr, G: tl.constexpr,
+                            PDL: tl.constexpr):
         """G > 0: also the output's e4m3 groups of G (then n_cols == BLOCK)."""
+        wait_for_prior_kernels(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -49,7 +53,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _add_rms_norm_1p_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr, n_cols, eps,
-                                BLOCK: tl.constexpr, PARTS: tl.constexpr, G: tl.constexpr):
+                                BLOCK: tl.constexpr, PARTS: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr):
+        wait_for_prior_kernels(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -65,10 +70,12 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n_rows, n_cols, heads, stride_zt,
-                               stride_zh, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr):
+                               stride_zh, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr,
+                               PDL: tl.constexpr):
         """ROWS rows of x (contiguous [n_rows, n_cols]) per program; row r's gate is z[r // heads, r % heads], read
         in place from the projection output it is a view of. G > 0: also the output's e4m3 groups of G values in
         memory order (n_cols == BLOCK, and a program's ROWS * BLOCK values are whole groups)."""
+        wait_for_prior_kernels(PDL)
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -143,7 +150,7 @@ def rms_norm_1p_triton(x, weight, eps, group=None):
     x2, out, block = _rows(x)
     g = _row_groups(out, group, block)
     q, s = group_buffers(out, g)
-    _rms_norm_1p_kernel[(x2.shape[0],)](x2, weight, out, q, s, x2.shape[1], eps, BLOCK=block, G=g)
+    _rms_norm_1p_kernel[(x2.shape[0],)](x2, weight, out, q, s, x2.shape[1], eps, BLOCK=block, G=g, **pdl(x2))
     return attach_activation_groups(out.view(x.shape), q, s, g)
 
 
@@ -165,7 +172,7 @@ def gated_rms_norm_triton(x, z, weight, eps, group=None):
     q, s = group_buffers(out, g)
     _gated_rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
         x2, z3, weight, out, q, s, x2.shape[0], x2.shape[1], z3.shape[1], z3.stride(0), z3.stride(1), eps,
-        BLOCK=block, ROWS=rows, G=g)
+        BLOCK=block, ROWS=rows, G=g, **pdl(x2))
     return attach_activation_groups(out.view(x.shape), q, s, g)
 
 
@@ -176,5 +183,5 @@ def add_rms_norm_1p_triton(h, delta, weight, eps, group=None):
     g = _row_groups(out, group, block)
     q, s = group_buffers(out, g)
     _add_rms_norm_1p_kernel[(h2.shape[0],)](h2, delta.contiguous(), weight, total, out, q, s, h2.shape[1], eps,
-                                            BLOCK=block, PARTS=parts, G=g)
+                                            BLOCK=block, PARTS=parts, G=g, **pdl(h2))
     return total.view(h.shape), attach_activation_groups(out.view(h.shape), q, s, g)

@@ -20,18 +20,20 @@ import torch
 import torch.nn.functional as F
 
 from tandem.ops.fp8 import attach_activation_groups, group_buffers
-from tandem.ops.triton_utils import HAS_TRITON, use_triton
+from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from tandem.ops.fp8 import store_groups
+    from tandem.ops.triton_utils import wait_for_prior_kernels
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
-                         G: tl.constexpr):
+                         G: tl.constexpr, PDL: tl.constexpr):
         """G > 0: also the output's e4m3 groups of G (then BLOCK divides n_cols)."""
+        wait_for_prior_kernels(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -46,8 +48,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _sigmoid_gate_kernel(x_ptr, gate_ptr, out_ptr, q_ptr, s_ptr, n_cols, stride_gt, stride_gh, HD: tl.constexpr,
-                             BLOCK: tl.constexpr, G: tl.constexpr):
+                             BLOCK: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr):
         """G > 0: also the output's e4m3 groups of G (then BLOCK divides n_cols)."""
+        wait_for_prior_kernels(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -75,7 +78,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gdn_gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, n_heads, stride_a, stride_b,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_prior_kernels(PDL)
         row = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BLOCK)
         ok = h < n_heads
@@ -88,7 +92,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gated_sum_kernel(parts_ptr, shared_ptr, logit_ptr, out_ptr, H, stride_shared, stride_logit,
-                          TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                          TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_prior_kernels(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < H
@@ -159,7 +164,7 @@ def silu_mul_triton(gate, up, block=1024, group=None):
     q, s = group_buffers(out, g)
     if gate.shape[0]:
         _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, out, q, s, n, gate.stride(0),
-                                                                 up.stride(0), BLOCK=block, G=g)
+                                                                 up.stride(0), BLOCK=block, G=g, **pdl(gate))
     return attach_activation_groups(out.view(shape), q, s, g)
 
 
@@ -172,7 +177,7 @@ def sigmoid_gate_triton(x, gate, block=1024, group=None):
     q, s = group_buffers(out, g)
     if T:
         _sigmoid_gate_kernel[(T, triton.cdiv(n, block))](x, gate, out, q, s, n, gate.stride(0), gate.stride(1),
-                                                         HD=gate.shape[2], BLOCK=block, G=g)
+                                                         HD=gate.shape[2], BLOCK=block, G=g, **pdl(x))
     return attach_activation_groups(out, q, s, g)
 
 
@@ -183,7 +188,7 @@ def gdn_gates_triton(a, b, a_log, dt_bias):
     beta = torch.empty(T, nv, dtype=b.dtype, device=b.device)
     if T:
         _gdn_gates_kernel[(T,)](a, b, a_log, dt_bias, g, beta, nv, a.stride(0), b.stride(0),
-                                BLOCK=triton.next_power_of_2(nv))
+                                BLOCK=triton.next_power_of_2(nv), **pdl(a))
     return g, beta
 
 
@@ -194,5 +199,5 @@ def gated_sum_triton(parts, shared, logit, block=1024):
     if T:
         block = min(block, triton.next_power_of_2(H))
         _gated_sum_kernel[(T, triton.cdiv(H, block))](parts, shared, logit, out, H, shared.stride(0), logit.stride(0),
-                                                      TOP_K=top_k, BLOCK=block)
+                                                      TOP_K=top_k, BLOCK=block, **pdl(parts))
     return out

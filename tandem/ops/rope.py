@@ -15,18 +15,21 @@ import torch
 from tandem.model.batch import ForwardBatch
 from tandem.ops.attention import write_kv
 from tandem.ops.norm import rms_norm_1p
-from tandem.ops.triton_utils import HAS_TRITON, use_triton
+from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from tandem.ops.triton_utils import wait_for_prior_kernels
+
     @triton.jit
     def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, NH, NKV, eps,
-                             HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+                             HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Program (t, h): query head h of token t for h < NH, else key head h - NH, which goes to the token's
         slot of the key cache, and its value head (copied as it is) to the value cache."""
+        wait_for_prior_kernels(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, BLOCK)
@@ -109,5 +112,5 @@ def qk_norm_rope_write_kv_triton(q, k, v, q_weight, k_weight, eps, cos, sin, k_c
         _qk_norm_rope_kernel[(T, nh + nkv)](
             q, k, v, q_weight, k_weight, cos, sin, q_out, k_cache, v_cache, slot_mapping, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), nh, nkv, eps, HD=hd, HALF=cos.shape[1],
-            BLOCK=triton.next_power_of_2(hd))
+            BLOCK=triton.next_power_of_2(hd), **pdl(q))
     return q_out
