@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +44,6 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # amax floor: an all-zero block gets a tiny positive scale (never 0 or inf), and quantises to exact zeros
 AMAX_FLOOR = 1e-12
 DECODE_MAX_ROWS = 256  # more rows: a compute-bound (prefill) GEMM
-PREFETCH_WEIGHTS = os.environ.get("TANDEM_PREFETCH", "") != "0"  # see `_prefetch_weights`
 
 
 class Fp8FormatError(ValueError):
@@ -97,7 +95,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from tandem.ops.triton_utils import prefetch_to_l2, wait_for_prior_kernels
+    from tandem.ops.triton_utils import wait_for_prior_kernels
 
     @triton.jit
     def quantize_rows(a):
@@ -156,12 +154,12 @@ if HAS_TRITON:
     def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N: tl.constexpr,
                      K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                     PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                     PDL: tl.constexpr):
         """out[M, N] = xq[M, K] @ w[N, K]^T, a K step per activation group, each rescaled by its two scales.
         SPLIT > 1: program (m, n, s) takes groups [s * KB_PER_SPLIT, (s + 1) * KB_PER_SPLIT), stores its fp32
         partial in part[s] and counts itself in its tile's counter; the last of the tile's SPLIT programs to
-        arrive adds the partials in split order (deterministic) and resets the counter for the next launch.
-        PREFETCH: the program's weight slice is asked into L2 before waiting for the kernel before (under PDL)."""
+        arrive adds the partials in split order (deterministic) and resets the counter for the next launch."""
+        wait_for_prior_kernels(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -171,10 +169,6 @@ if HAS_TRITON:
         m_ok, n_ok = m < M, n < N
         KB: tl.constexpr = (K + GROUP_K - 1) // GROUP_K
         kb0 = pid_s * KB_PER_SPLIT
-        if PREFETCH:
-            row_bytes = tl.minimum(K - kb0 * GROUP_K, KB_PER_SPLIT * GROUP_K) + tl.zeros([BLOCK_N], tl.int32)
-            prefetch_to_l2(w_ptr + tl.where(n_ok, n, 0).to(tl.int64) * K + kb0 * GROUP_K, row_bytes)
-        wait_for_prior_kernels(PDL)
         x_ptrs = xq_ptr + m[:, None].to(tl.int64) * K + kb0 * GROUP_K + k[None, :]
         w_ptrs = w_ptr + n[None, :].to(tl.int64) * K + kb0 * GROUP_K + k[:, None]  # [GROUP_K, BLOCK_N]
         xs_ptrs = xs_ptr + m.to(tl.int64) * KB + kb0
@@ -424,12 +418,6 @@ def _gemm_tiles(M: int, N: int, KB: int, sms: int) -> tuple[int, int, int, int, 
     return bm, bn, min(split, KB), 4, 4
 
 
-def _prefetch_weights(w, early: bool) -> bool:
-    """Whether the GEMM asks its weight slices into L2 before its predecessor ends: launched early (PDL), and the
-    rows 16-byte aligned, as the bulk prefetch needs. TANDEM_PREFETCH=0 turns it off (to time it)."""
-    return early and PREFETCH_WEIGHTS and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
-
-
 def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=None):
     """The kernel path: x's e4m3 groups (its producer's, or one launch of the quantiser), then the GEMM (split
     over K when `tiles` or the choice says so). `tiles` = (BLOCK_M, BLOCK_N, K splits, warps, stages) overrides
@@ -455,8 +443,7 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=None):
     part, counts = (torch.empty(split, M, N, dtype=torch.float32, device=x.device),
                     # `_gemm_tiles` splits only grids of fewer than two programs per SM: 4096 counters serve
                     zeroed_counters("split-K tiles", x.device, grid[0] * grid[1], 4096)) if split > 1 else (out, out)
-    launch = pdl(xq)
     _w8a8_kernel[grid](xq, xs, w, scale_inv, out, part, counts, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1],
                        BLOCK_M=bm, BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot, num_warps=warps,
-                       num_stages=stages, PREFETCH=_prefetch_weights(w, launch["PDL"]), **launch)
+                       num_stages=stages, **pdl(xq))
     return out.view(*x.shape[:-1], N)

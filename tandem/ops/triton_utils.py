@@ -53,14 +53,6 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
 
-    @triton.jit
-    def prefetch_to_l2(ptrs, nbytes):
-        """Asks for `nbytes` (a multiple of 16) from each of `ptrs` (16-byte aligned) to be brought into L2, one
-        bulk prefetch apiece (sm_90). A hint: what any load returns is unchanged. Before `wait_for_prior_kernels`
-        it fetches what a kernel's predecessor does not write (weights) while that one still runs."""
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
-                                  [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
 
 def row_block(rows: int) -> int:
     """The row tile of a GEMM kernel at decode and verify sizes: three variants cover every row count."""
