@@ -167,3 +167,20 @@ def test_cuda_graphs_equal_eager_on_gpu(k):
     assert graphed == eager
     if k:
         assert graphed_stats.accepted_per_position == eager_stats.accepted_per_position
+
+
+@pytest.mark.gpu
+def test_early_launch_changes_no_token_on_gpu(monkeypatch):
+    """Programmatic dependent launch (every Triton kernel scheduled while the one before runs, then waiting for
+    it) only moves when kernels start: CUDA-graph decode with MTP gives the tokens and acceptance of launching
+    each kernel after the one before has finished. A kernel reading or writing memory before its wait would race."""
+    from tandem.ops import triton_utils
+
+    if not triton_utils.pdl(torch.empty(1, device="cuda"))["launch_pdl"]:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 12, 30, 20, 35)]
+    early, early_stats, _ = _run(True, 2, params, device="cuda")
+    monkeypatch.setattr(triton_utils, "PDL_OFF", True)
+    serial, serial_stats, _ = _run(True, 2, params, device="cuda")
+    assert early == serial
+    assert early_stats.accepted_per_position == serial_stats.accepted_per_position
