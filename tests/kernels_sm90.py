@@ -13,7 +13,7 @@ Nothing runs: the tensors are uninitialised CPU memory, and the outputs are neve
 Shapes: `decode:BxQ` (B requests of Q rows each on a context of 300 tokens), `prefill:N` (one N-token prompt),
 `mixed:BxQ+N` (both in one forward). Prints one line per kernel variant and exits 1 when one needs more shared
 memory than an H200 gives a block (227 KB), or is launched early (programmatic dependent launch, as every kernel
-is on the H200) without waiting for the kernel before it.
+is on the H200) and loads, stores or updates global memory before it waits for the kernel before it.
 
 `--workload`: the serving check of tests/test_no_compiles.py without a GPU, on the preset's layer shapes (four
 layers, a 1024-token vocabulary: the kernels' variants do not depend on either). An engine warms up as a worker does
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -218,6 +219,17 @@ def compiles_after_warm_up(preset: str, seed: int, prefill_only: bool = False, k
     return late
 
 
+_GLOBAL_MEMORY_OP = re.compile(r"^\s*(@%p\d+\s+)?(ld|st|atom|red|cp\.async)\.[\w.:]*global", re.M)
+
+
+def waits_before_touching_memory(ptx: str) -> bool:
+    """Whether the kernel's first global load, store or atomic comes after its `griddepcontrol.wait` (a kernel
+    launched early that touched memory before would race the kernel before it)."""
+    wait = ptx.find("griddepcontrol.wait")
+    first = _GLOBAL_MEMORY_OP.search(ptx)
+    return wait >= 0 and (first is None or first.start() > wait)
+
+
 def resources(kernel) -> dict:
     """Registers, spill stores and local memory of a compiled kernel, read from its cubin by cuobjdump."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -254,17 +266,17 @@ def main() -> int:
     for name, kernel in sorted(kernels, key=lambda nk: nk[0]):
         md, res = kernel.metadata, resources(kernel)
         over = md.shared > H200_SHARED_PER_BLOCK
-        # launched while the kernel before it runs, it must wait for that one before touching memory
-        race = md.launch_pdl and "griddepcontrol.wait" not in kernel.asm["ptx"]
+        # launched while the kernel before it runs, it must wait for that one before it touches memory
+        race = md.launch_pdl and not waits_before_touching_memory(kernel.asm["ptx"])
         too_big += over
         racing += race
         print(f"{name:32s} shared {md.shared:7d} B  warps {md.num_warps}  stages {md.num_stages}"
               f"  regs {res['reg']:3d}  stack {res['stack']:4d}  local {res['local']:4d}"
               f"  early launch {'on' if md.launch_pdl else 'off'}"
               + ("  OVER THE H200's SHARED MEMORY" if over else "")
-              + ("  LAUNCHED EARLY WITHOUT WAITING" if race else ""))
+              + ("  TOUCHES MEMORY BEFORE WAITING FOR THE KERNEL BEFORE" if race else ""))
     print(f"{len(kernels)} kernel variants for sm_90, {too_big} over {H200_SHARED_PER_BLOCK} bytes of shared memory, "
-          f"{racing} launched early without waiting for the kernel before")
+          f"{racing} touching memory before waiting for the kernel before")
     return 1 if too_big or racing else 0
 
 

@@ -46,3 +46,40 @@ def test_the_check_catches_tiles_too_large_for_the_h200(sm90_triton_cache):
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     over = [line for line in res.stdout.splitlines() if "OVER" in line]
     assert over and all(line.startswith("_paged_attn_kernel") for line in over), res.stdout
+
+
+RACY = '''
+import triton
+import triton.language as tl
+
+from tandem.ops.triton_utils import wait_for_prior_kernels
+
+
+@triton.jit
+def loads_before_waiting(x_ptr, y_ptr, PDL: tl.constexpr):
+    v = tl.load(x_ptr + tl.arange(0, 16))
+    wait_for_prior_kernels(PDL)
+    tl.store(y_ptr + tl.arange(0, 16), v)
+
+
+@triton.jit
+def waits_first(x_ptr, y_ptr, PDL: tl.constexpr):
+    wait_for_prior_kernels(PDL)
+    tl.store(y_ptr + tl.arange(0, 16), tl.load(x_ptr + tl.arange(0, 16)))
+'''
+
+
+def test_the_check_catches_a_kernel_touching_memory_before_its_wait(sm90_triton_cache, tmp_path):
+    """Compiled for sm_90 with programmatic dependent launch, a kernel that loads before `wait_for_prior_kernels`
+    fails the script's check, and the same kernel with the wait first passes it."""
+    (tmp_path / "racy.py").write_text(RACY)
+    code = ("import sys; import kernels_sm90 as k; sys.path.insert(0, sys.argv[1]); import racy, triton; "
+            "from triton.backends.compiler import GPUTarget; from triton.compiler import ASTSource\n"
+            "for fn in (racy.loads_before_waiting, racy.waits_first):\n"
+            "    src = ASTSource(fn=fn, signature={'x_ptr': '*fp32', 'y_ptr': '*fp32', 'PDL': 'constexpr'}, "
+            "constexprs={'PDL': True})\n"
+            "    kernel = triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'launch_pdl': True})\n"
+            "    print(fn.fn.__name__, k.waits_before_touching_memory(kernel.asm['ptx']))")
+    res = run_check(sm90_triton_cache, str(tmp_path), code=code)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.split() == ["loads_before_waiting", "False", "waits_first", "True"], res.stdout
