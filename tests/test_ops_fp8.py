@@ -230,8 +230,8 @@ def test_fp8_fused_experts_cpu_interpreter(T, E, top_k, gate_up_n, monkeypatch):
     # at zero: a second launch on the same counters gives the same)
     by_launch = moe.fused_experts_triton(x, gate_up, down, weights, experts, **tiles, **kw)
     assert torch.equal(got, by_launch)
-    monkeypatch.setattr(moe, "FP8_INTER_GROUPS", False)
-    assert torch.equal(got, moe.fused_experts_triton(x, gate_up, down, weights, experts, **tiles, **kw))
+    assert torch.equal(got, moe.fused_experts_triton(x, gate_up, down, weights, experts, **tiles, **kw,
+                                                     inter_groups=False))
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -264,7 +264,7 @@ def test_w8a8_gpu_summation_error(dot, sum_tol):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 32, 96, 600])
-def test_fp8_fused_experts_gpu(T, monkeypatch):
+def test_fp8_fused_experts_gpu(T):
     """35B-A3B sizes: 256 experts, top 8, H 2048, I 512, bf16 activations, through the dispatch."""
     E, H, I, top_k, block = 256, 2048, 512, 8, (128, 128)
     gate_up, gu_scale, down, d_scale = fp8_experts(E, H, I, block, seed=T, device="cuda")
@@ -277,8 +277,8 @@ def test_fp8_fused_experts_gpu(T, monkeypatch):
     want = moe._fused_experts_torch(x.float(), gate_up, down, weights, experts, **kw).double()
     check_experts(got, want, 5e-2, 2e-2)
     # inter's groups written by the gate/up kernel's last tile of each group are the quantiser's, bit for bit
-    monkeypatch.setattr(moe, "FP8_INTER_GROUPS", False)
-    assert torch.equal(got, moe.fused_experts(x, gate_up, down, weights.to(torch.bfloat16), experts, **kw))
+    assert torch.equal(got, moe.fused_experts(x, gate_up, down, weights.to(torch.bfloat16), experts, **kw,
+                                              inter_groups=False))
 
 
 @pytest.mark.gpu

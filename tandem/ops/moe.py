@@ -55,9 +55,6 @@ from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton, zeroed_counters
 # (decode, verify) the align ranks pairs instead, RANK_PAIRS a program
 ALIGN_CHUNK = 1024
 RANK_PAIRS = 64
-# FP8: the gate/up kernel writes the e4m3 groups of its output (SiLU(gate) * up) itself, sparing the quantiser's
-# launch (False: that launch; benchmarks set it to time the two)
-FP8_INTER_GROUPS = True
 
 
 class Aligned(NamedTuple):
@@ -409,17 +406,20 @@ def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool, shared_log
 
 
 def fused_experts(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None,
-                  block=None, shared=None, shared_logit=None, summed=True, ranks=None) -> torch.Tensor:
+                  block=None, shared=None, shared_logit=None, summed=True, ranks=None,
+                  inter_groups=True) -> torch.Tensor:
     """x: [T, H]; weights, experts: [T, top_k] -> [T, H]. FP8 experts: e4m3 `gate_up` / `down` with their
     scales and block (see `Experts`); activations are quantised per token and group of block[1] channels.
     `shared` [T, H] and `shared_logit` [T, 1]: plus the gated shared expert, sigmoid(shared_logit) * shared
     (the kernel path adds it in the pass that sums the experts' outputs). `summed=False` (no `shared`): the
     kernel path may return the weighted per-pair outputs [T, top_k, H] unsummed, for the next residual add to
-    sum (`add_rms_norm_1p` takes them): one launch fewer. `ranks`: from `route_logits(..., ranked=True)`."""
+    sum (`add_rms_norm_1p` takes them): one launch fewer. `ranks`: from `route_logits(..., ranked=True)`.
+    `inter_groups` (FP8, kernel path): the gate/up kernel writes the e4m3 groups of SiLU(gate) * up for the down
+    GEMM where its tiles allow, else a quantiser launch does (`DecoderLayer.quantize_in_producers`)."""
     fp8 = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, block=block)
     if use_triton(x):
         return fused_experts_triton(x, gate_up, down, weights, experts, **fp8, shared=shared,
-                                    shared_logit=shared_logit, summed=summed, ranks=ranks)
+                                    shared_logit=shared_logit, summed=summed, ranks=ranks, inter_groups=inter_groups)
     out = _fused_experts_torch(x, gate_up, down, weights, experts, **fp8)
     return out if shared is None else out + torch.sigmoid(shared_logit) * shared
 
@@ -606,7 +606,7 @@ def _configs(n_pairs: int, num_experts: int, fp8: bool = False):
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
                          shared=None, shared_logit=None, summed=True, ranks=None, block_m=None, gate_up_cfg=None,
-                         down_cfg=None, align_kernel=True, buf=None, dot=None):
+                         down_cfg=None, align_kernel=True, buf=None, dot=None, inter_groups=True):
     """The Triton path (see the module docstring). The keyword arguments after `summed` override tiling and the
     align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group."""
     T, H = x.shape
@@ -632,20 +632,20 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     group_n = block[0] if fp8 else 1
     # FP8: activations are quantised once per token (x: its producer or a launch of the quantiser) and per pair
-    # (SiLU(gate) * up, rows up to `total`: the gate/up kernel, once a group's N tiles are all out, or the
-    # quantiser); inside the GEMM that reads them every N tile would redo the quantiser's divisions
+    # (SiLU(gate) * up: the gate/up kernel, once a group's N tiles are all out, where they split the groups evenly;
+    # else the quantiser, rows up to `total`); inside the GEMM that reads them every N tile would redo the
+    # quantiser's divisions
     xq, xs = activation_groups(x, block[1]) if fp8 else (x, x)
     inter = torch.empty(sorted_ids.shape[0], inter_size, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = gu
     e_p2 = triton.next_power_of_2(E)  # a ranked routing's counters, zeroed by the gate/up kernel once read
     counts = routing_counters(x.device, e_p2) if ranks is not None else total
-    # FP8: the gate/up kernel quantises `inter` itself where its N tiles split the groups evenly
-    groups = block[1] if fp8 and FP8_INTER_GROUPS and block[1] % bn == 0 and inter_size % block[1] == 0 else 0
+    groups = block[1] if fp8 and inter_groups and block[1] % bn == 0 and inter_size % block[1] == 0 else 0
     if groups:
         inter_q, inter_s = (torch.empty_like(inter, dtype=FP8_DTYPE),
                             torch.empty(inter.shape[0], inter_size // groups, dtype=torch.float32, device=x.device))
         arrivals = zeroed_counters("experts' inter groups", x.device, num_blocks * (inter_size // groups), 4096)
-    else:
+    else:  # the gate/up kernel leaves these three alone; bf16's down GEMM reads `inter` itself
         inter_q = inter_s = arrivals = inter
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, bn))](
         xq, xs, gate_up, gate_up_scale if fp8 else gate_up, inter, inter_q, inter_s, arrivals, sorted_ids, block_expert,
