@@ -151,10 +151,17 @@ def align_rows(rep: Report, sweep: bool):  # no tilings to sweep
             fn = lambda: moe.moe_align(experts, E, block_m, use_kernel)  # noqa: E731
             rep.row(f"align T={T} pairs={T * TOP_K} {'kernel' if use_kernel else 'torch reference'}",
                     device_us(fn), experts.numel() * 8 * 3, extra=f"host {host_us(fn):.0f} us a call")
-        if T * TOP_K <= moe.ALIGN_CHUNK:  # the routing launch aligns the pairs (its last program)
+        if T * TOP_K <= moe.ALIGN_CHUNK:  # ranked routing: the routing kernel's counters give counts and ranks
             logits = torch.randn(T, E, device="cuda")
-            rep.row(f"route + align in one launch T={T} pairs={T * TOP_K}",
-                    graph_us(lambda: moe.route_logits(logits, TOP_K, True, align=True)), experts.numel() * 8 * 3)
+
+            def ranked():
+                w, e, ranks = moe.route_logits(logits, TOP_K, True, ranked=True)
+                if not isinstance(ranks, moe.Aligned):  # up to RANK_PAIRS pairs the routing launch aligns too
+                    moe.moe_align(e, E, block_m, ranks=ranks)
+                moe.routing_counters(logits.device, E).zero_()  # what the gate/up kernel does
+
+            rep.row(f"route + ranked align + zeroing T={T} pairs={T * TOP_K}", graph_us(ranked),
+                    experts.numel() * 8 * 3)
             rep.row(f"route + align T={T} pairs={T * TOP_K}",
                     graph_us(lambda: moe.moe_align(moe.route_logits(logits, TOP_K, True)[1], E, block_m)),
                     experts.numel() * 8 * 3)

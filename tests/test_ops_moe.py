@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tandem.ops import moe
-from tandem.ops.triton_utils import zeroed_counters
 
 
 def make_case(T, E, top_k, H, I, device="cpu", dtype=torch.float32, seed=0, pattern="random"):
@@ -204,44 +203,47 @@ def test_route_kernel_with_the_shared_expert_cpu_interpreter(top_k):
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_routing_launch_aligns_many_tokens_cpu_interpreter(shared):
-    """Past RANK_PAIRS pairs the routing launch still aligns them: each program counts its pairs into their
-    experts' counters (atomics, whose old values are ranks) and the last to finish places every pair. The weights
-    and experts of the routing alone; the torch align's total, block owners and padding, with every pair exactly
-    once and in a block of its own expert (in the atomics' order inside an expert's segment); the same experts'
-    outputs as the unaligned path; and the counters back at zero, so a second layer in a row gets the same."""
+def test_ranked_routing_cpu_interpreter(shared):
+    """Ranked routing (the routing kernel counts each pair into its expert's counter by an atomic add): the same
+    weights and experts as unranked routing, each expert's ranks 0..count-1 once each and its counter at its
+    count; the align puts each pair at its expert's segment start plus its rank, with the unranked layout's total,
+    padding and block owners; the experts' outputs equal the unranked ones; and the counters are back at zero
+    afterwards, so a second layer in a row gets the same."""
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter case runs where there is no GPU")
-    T, E, top_k, H, I = 37, 16, 4, 64, 32
+    T, E, top_k, H, I, bm = 37, 16, 4, 64, 32, 16
     E_all = E + shared
-    assert T * (top_k + shared) > moe.RANK_PAIRS
     g = torch.Generator().manual_seed(40 + shared)
     x, gate_up = torch.randn(T, H, generator=g), torch.randn(E_all, 2 * I, H, generator=g) / H**0.5
     down = torch.randn(E_all, H, I, generator=g) / I**0.5
     counters = moe.routing_counters(torch.device("cpu"), 32)
-    arrivals = zeroed_counters("moe routing arrivals", torch.device("cpu"), 1, 1)
     for layer in range(2):
         logits, shared_logit = torch.randn(T, E, generator=g), torch.randn(T, 1, generator=g) if shared else None
         w, e = moe.route_logits_triton(logits, top_k, True, shared_logit)
-        w_a, e_a, aligned = moe.route_logits_triton(logits, top_k, True, shared_logit, align=True)
-        assert torch.equal(w_a, w) and torch.equal(e_a, e)
-        assert isinstance(aligned, moe.Aligned) and not counters.any() and not arrivals.any()
-        ids, owners, bm, n = aligned.sorted_ids.long(), aligned.block_expert.long(), aligned.block_m, e.numel()
+        w_r, e_r, ranks = moe.route_logits_triton(logits, top_k, True, shared_logit, ranked=True)
+        assert torch.equal(w_r, w) and torch.equal(e_r, e)
+        counts = torch.bincount(e.reshape(-1), minlength=E_all)
+        assert torch.equal(counters[:E_all].long(), counts) and not counters[E_all:].any()
+        for ex in range(E_all):
+            assert sorted(ranks[e == ex].tolist()) == list(range(int(counts[ex])))
+        ids, owners, total = moe.moe_align(e, E_all, bm, ranks=ranks)
         ref_ids, ref_owners, ref_total = moe.moe_align(e, E_all, bm, use_kernel=False)
-        tot = int(ref_total)
-        assert int(aligned.total) == tot and torch.equal(owners[: tot // bm], ref_owners[: tot // bm].long())
-        real = ids[:tot] < n
-        assert torch.equal(real, ref_ids[:tot] < n)  # the padding where the torch layout has it
-        assert torch.equal(ids[:tot][real].sort().values, torch.arange(n))
-        assert torch.equal(e.reshape(-1)[ids[:tot][real]], owners[torch.arange(tot)[real] // bm])
-        assert torch.equal(run(x, gate_up, down, w_a, e_a, aligned=aligned), run(x, gate_up, down, w, e))
+        tot, n = int(total), e.numel()
+        assert tot == int(ref_total) and torch.equal(owners[: tot // bm], ref_owners[: tot // bm])
+        padded = (counts + bm - 1) // bm * bm
+        at = (padded.cumsum(0) - padded)[e.reshape(-1)] + ranks.reshape(-1).long()  # segment start + rank
+        assert torch.equal(ids[at].long(), torch.arange(n))
+        assert torch.equal(ids[:tot] == n, ref_ids[:tot] == n)  # the padding where the unranked layout has it
+        got = run(x, gate_up, down, w_r, e_r, ranks=ranks)
+        assert not counters.any(), "the gate/up kernel leaves the counters at zero"
+        assert torch.equal(got, run(x, gate_up, down, w, e))
 
 
 @pytest.mark.parametrize("T,E,top_k,shared", [(1, 16, 4, True), (3, 16, 4, True), (7, 12, 3, False), (2, 40, 8, True)])
 def test_route_and_align_few_tokens_cpu_interpreter(T, E, top_k, shared):
-    """Up to RANK_PAIRS pairs one program routes and aligns the pairs: the weights and experts of the
+    """Up to RANK_PAIRS pairs a ranked routing aligns its pairs in the same launch: the weights and experts of the
     torch routing, the torch align's layout exactly (pair order inside each expert's segment) over the experts
-    and the shared one, the same experts' outputs as the unaligned path, and the routing counters untouched."""
+    and the shared one, the same experts' outputs as the unranked path, and the routing counters untouched."""
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter case runs where there is no GPU")
     H, I = 64, 32
@@ -251,7 +253,7 @@ def test_route_and_align_few_tokens_cpu_interpreter(T, E, top_k, shared):
     down = torch.randn(E_all, H, I, generator=g) / I**0.5
     logits, shared_logit = torch.randn(T, E, generator=g), torch.randn(T, 1, generator=g) if shared else None
     counters = moe.routing_counters(torch.device("cpu"), 64)
-    w, e, aligned = moe.route_logits_triton(logits, top_k, True, shared_logit, align=True)
+    w, e, aligned = moe.route_logits_triton(logits, top_k, True, shared_logit, ranked=True)
     assert isinstance(aligned, moe.Aligned) and not counters.any()
     w_t, e_t = moe.route_logits_torch(logits, top_k, True, shared_logit)
     assert torch.equal(e, e_t) and (w - w_t).abs().max() <= 1e-6
@@ -260,7 +262,7 @@ def test_route_and_align_few_tokens_cpu_interpreter(T, E, top_k, shared):
     assert int(aligned.total) == tot
     assert torch.equal(aligned.sorted_ids[:tot], ref_ids[:tot])
     assert torch.equal(aligned.block_expert[: tot // aligned.block_m], ref_owners[: tot // aligned.block_m])
-    assert torch.equal(run(x, gate_up, down, w, e, aligned=aligned), run(x, gate_up, down, w, e))
+    assert torch.equal(run(x, gate_up, down, w, e, ranks=aligned), run(x, gate_up, down, w, e))
 
 
 def test_dispatch_cpu_takes_reference():
@@ -338,21 +340,20 @@ def test_fused_experts_gpu_skewed():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,align_kernel,align", [(1, True, False), (32, True, False), (32, False, False),
-                                                   (200, True, False), (1500, True, False), (1, True, True),
-                                                   (96, True, True)])
-def test_moe_cuda_graph_replay(T, align_kernel, align):
+@pytest.mark.parametrize("T,align_kernel,ranked", [(1, True, False), (32, True, False), (32, False, False),
+                                                    (200, True, False), (1500, True, False), (1, True, True),
+                                                    (96, True, True)])
+def test_moe_cuda_graph_replay(T, align_kernel, ranked):
     """Route + experts captured once, replayed on new inputs: correct results prove nothing went through the host
-    (a sync would fail the capture). align_kernel=False captures the sort-based torch align as well; `align`:
-    the routing launch aligns the pairs, and every replay must leave its counters at zero for the next."""
+    (a sync would fail the capture). align_kernel=False captures the sort-based torch align as well; `ranked`:
+    ranked routing, whose counters every replay must leave at zero for the next."""
     E, k, H, I = REAL["E"], REAL["top_k"], REAL["H"], REAL["I"]
     _, gate_up, down, _, _, router = make_case(T, E, k, H, I, "cuda", torch.bfloat16, seed=11)
     static_x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        w, e, aligned = moe.route_logits(torch.nn.functional.linear(static_x, router), k, True, align=align)
-        return moe.fused_experts_triton(static_x, gate_up, down, w, e, align_kernel=align_kernel,
-                                        aligned=aligned), w, e
+        w, e, ranks = moe.route_logits(torch.nn.functional.linear(static_x, router), k, True, ranked=ranked)
+        return moe.fused_experts_triton(static_x, gate_up, down, w, e, align_kernel=align_kernel, ranks=ranks), w, e
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -371,4 +372,3 @@ def test_moe_cuda_graph_replay(T, align_kernel, align):
         assert torch.equal(static_e, moe.route(static_x, router, k, True)[1])
         bf16_check(static_out, reference(static_x, gate_up, down, static_w, static_e))
         assert not moe.routing_counters(static_x.device, 512).any()
-        assert not zeroed_counters("moe routing arrivals", static_x.device, 1, 1).any()

@@ -400,25 +400,24 @@ class Experts(nn.Module):
 
     @property
     def all_local(self) -> bool:
-        """Every expert is on this rank: the routing's expert ids (and its aligned pairs, `route_logits`) apply
-        as they are."""
+        """Every expert is on this rank: the routing's expert ids (and its ranks, `route_logits`) apply as they are."""
         return self.gate_up_proj.shape[0] == self.num_experts
 
-    def forward(self, x, weights, experts, shared=None, shared_logit=None, aligned=None):
+    def forward(self, x, weights, experts, shared=None, shared_logit=None, ranks=None):
         """Sum of `weight * expert(x)` over the (token, expert) pairs routed to this rank's experts, plus the
         gated shared expert `sigmoid(shared_logit) * shared` (added in the same pass on one rank). Without
         `shared`, the shared expert is expert E among `experts` (`host`), and the kernel path leaves the sum to
         the next residual add: it returns the per-pair outputs [T, top_k + 1, H] (see `add_rms_norm_1p`).
-        `aligned`: the routing launch's layout of the pairs (`route_logits`), when `all_local`."""
+        `ranks`: of a ranked routing (`route_logits`), when `all_local`."""
         fp8 = dict(gate_up_scale=self.gate_up_proj_scale_inv, down_scale=self.down_proj_scale_inv, block=self.block,
                    inter_groups=self.inter_groups)
         if shared is None:
             gate_up, down, fp8["gate_up_scale"], fp8["down_scale"] = self._with_shared
-            return fused_experts(x, gate_up, down, weights, experts, **fp8, summed=False, aligned=aligned)
+            return fused_experts(x, gate_up, down, weights, experts, **fp8, summed=False, ranks=ranks)
         if self.all_local:
             return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **fp8, shared=shared,
-                                 shared_logit=shared_logit, aligned=aligned)
-        assert aligned is None, "the aligned pairs index this rank's experts only when it holds them all"
+                                 shared_logit=shared_logit, ranks=ranks)
+        assert ranks is None, "ranks index this rank's experts only when it holds them all"
         local = self.gate_up_proj.shape[0]
         tok, k = ((experts >= self.first) & (experts < self.first + local)).nonzero(as_tuple=True)
         out = torch.zeros_like(x)
@@ -478,17 +477,17 @@ class SparseMoE(_FusedProjections):
         if self.hosted:
             router_logits, shared_logit = self.project(x)
             if x.shape[0] <= SHARED_AS_EXPERT_MAX_ROWS:
-                weights, experts, aligned = route_logits(router_logits, self.top_k, self.renormalize, shared_logit,
-                                                         align=True)
-                return self.experts(x, weights, experts, aligned=aligned)
+                weights, experts, ranks = route_logits(router_logits, self.top_k, self.renormalize, shared_logit,
+                                                       ranked=True)
+                return self.experts(x, weights, experts, ranks=ranks)
             shared_gate, shared_up = self.shared_expert.project(x)
         else:
             router_logits, shared_gate, shared_up, shared_logit = self.project(x)
-        weights, experts, aligned = route_logits(router_logits, self.top_k, self.renormalize,
-                                                 align=self.experts.all_local)
+        weights, experts, ranks = route_logits(router_logits, self.top_k, self.renormalize,
+                                               ranked=self.experts.all_local)
         shared = self.shared_expert.swiglu_down(shared_gate, shared_up)
         # the gate is replicated, so gate * (partial shared sum) is this rank's part of the gated shared expert
-        return self.experts(x, weights, experts, shared, shared_logit, aligned=aligned)
+        return self.experts(x, weights, experts, shared, shared_logit, ranks=ranks)
 
 
 class DecoderLayer(nn.Module):

@@ -17,16 +17,15 @@ CUDA graph:
    Up to 1024 pairs (decode, verify) several programs each place 64 pairs by their rank among their expert's
    earlier pairs; more pairs take a program per chunk of 1024, which sorts (expert, pair) keys in registers after
    a counting launch has made every chunk's histogram. A sort-based torch reference gives the same layout.
-   The routing launch aligns (`route_logits(..., align=True)`, up to 1024 pairs: the model's decode and verify
-   steps, where launches cost more than work), so the align takes no launch of its own:
-   - up to RANK_PAIRS pairs (one request's step) one program routes every token, then aligns the pairs in pair
-     order, counting their ranks itself (`_route_align_kernel`);
-   - more: a program per token counts each of its pairs into its expert's counter by an atomic add, whose old
-     value is the pair's rank, and the last program to finish (an arrival counter) places every pair from those
-     counts and ranks, then zeroes the counters (one buffer per device that every MoE layer shares, one after
-     another on a stream). Counting ranks was most of a separate align's time at verify sizes (9 of 16 µs on the
-     H200). The order inside an expert's segment is then the atomics' (not pair order); no result depends on
-     it, since every pair's row is computed on its own and lands in the pair's own row of `buf`.
+   Ranked routing (`route_logits(..., ranked=True)`, up to 1024 pairs: the model's decode and verify steps): the
+   routing kernel counts each pair into its expert's counter by an atomic add, whose old value is the pair's rank,
+   so the align only places pairs (counting ranks was most of its time at verify sizes: 9 of 16 µs on the H200).
+   The order inside an expert's segment is then the atomics' (not pair order); no result depends on it, since
+   every pair's row is computed on its own and lands in the pair's own row of `buf`. The counters are one zeroed
+   buffer per device that every MoE layer shares (one after another on a stream); the gate/up kernel of a ranked
+   routing zeroes them again once the align has read them. Up to RANK_PAIRS pairs (one request's decode or verify
+   step, where launches cost more than work) one program routes every token and then aligns the pairs in pair
+   order, counting their ranks itself (`_route_align_kernel`): one launch for both, no counters.
 3. `_moe_gate_up_kernel`: a grouped GEMM over (block, I tile): gathers the block's token rows of x, multiplies by
    the block's expert's gate and up rows (two fp32 accumulators) and writes SiLU(gate) * up to `inter [P_max, I]`.
    Only experts that received tokens own blocks, so at decode only the routed experts' weights are read.
@@ -59,8 +58,8 @@ RANK_PAIRS = 64
 
 
 class Aligned(NamedTuple):
-    """The pairs already aligned (`moe_align`'s three results, for blocks of `block_m` rows), as the routing launch
-    of a decode or verify step hands them to `fused_experts` (`route_logits(..., align=True)`)."""
+    """The pairs already aligned (`moe_align`'s three results, for blocks of `block_m` rows), as the routing of a
+    few tokens hands them to `fused_experts` in place of ranks (`route_logits`)."""
 
     sorted_ids: torch.Tensor
     block_expert: torch.Tensor
@@ -108,31 +107,19 @@ if HAS_TRITON:
         return top_e, ks
 
     @triton.jit
-    def _route_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, counts_ptr, ranks_ptr, arrivals_ptr, sorted_ptr,
-                      block_expert_ptr, total_ptr, E, stride_t, stride_s, TOP_K: tl.constexpr, K_P2: tl.constexpr,
-                      E_P2: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr, ALIGN: tl.constexpr,
-                      EX_P2: tl.constexpr, N_P2: tl.constexpr, BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr,
-                      PDL: tl.constexpr):
-        """One token a program (`_route_token`). ALIGN (a decode or verify step of several requests, at most N_P2
-        pairs): each pair counts itself into its expert's counter, whose old value is its rank among that
-        expert's pairs, and the last program to finish aligns every pair from those counts and ranks
-        (`_place_pairs`), then leaves the counters at zero again: the align takes no launch of its own."""
+    def _route_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, counts_ptr, rank_out_ptr, E, stride_t, stride_s,
+                      TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORM: tl.constexpr,
+                      SHARED: tl.constexpr, RANKED: tl.constexpr, PDL: tl.constexpr):
+        """One token a program (`_route_token`). RANKED: each pair's rank among its expert's pairs, from the
+        expert's counter."""
         wait_for_prior_kernels(PDL)
         t = tl.program_id(0).to(tl.int64)
         top_e, ks = _route_token(t, logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, E, stride_t, stride_s, TOP_K,
                                  K_P2, E_P2, RENORM, SHARED)
-        if ALIGN:
+        if RANKED:
             width: tl.constexpr = TOP_K + SHARED
-            tl.store(ranks_ptr + t * width + ks, tl.atomic_add(counts_ptr + top_e, 1, mask=ks < width),
+            tl.store(rank_out_ptr + t * width + ks, tl.atomic_add(counts_ptr + top_e, 1, mask=ks < width),
                      mask=ks < width)
-            tl.debug_barrier()  # every thread's experts and ranks are stored before the program counts itself done
-            T = tl.num_programs(0)
-            if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel") == T - 1:  # every program's pairs are out
-                _place_pairs(0, 1, e_out_ptr, counts_ptr, ranks_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                             T * width, EX_P2, N_P2, N_P2, N_P2, BLOCK_M, B_CHUNK, True)
-                tl.debug_barrier()  # every thread has read the counts
-                tl.store(counts_ptr + tl.arange(0, EX_P2), tl.zeros([EX_P2], tl.int32))
-                tl.atomic_xchg(arrivals_ptr, 0)
 
     @triton.jit(do_not_specialize=["T"])
     def _route_align_kernel(logits_ptr, shared_ptr, w_out_ptr, e_out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
@@ -224,14 +211,14 @@ if HAS_TRITON:
             b += B_CHUNK
 
     @triton.jit(do_not_specialize=["N"])
-    def _moe_align_ranks_kernel(experts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, E_P2: tl.constexpr,
-                                N_P2: tl.constexpr, PAIRS: tl.constexpr, J_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
-                                B_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    def _moe_align_ranks_kernel(experts_ptr, counts_ptr, ranks_ptr, sorted_ptr, block_expert_ptr, total_ptr, N,
+                                E_P2: tl.constexpr, N_P2: tl.constexpr, PAIRS: tl.constexpr, J_TILE: tl.constexpr,
+                                BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr, RANKED: tl.constexpr, PDL: tl.constexpr):
         """The layout of `_moe_align_kernel` for up to N_P2 pairs (decode, verify) by several programs instead of
         one (`_place_pairs`)."""
         wait_for_prior_kernels(PDL)
-        _place_pairs(tl.program_id(0), tl.num_programs(0), experts_ptr, experts_ptr, experts_ptr, sorted_ptr,
-                     block_expert_ptr, total_ptr, N, E_P2, N_P2, PAIRS, J_TILE, BLOCK_M, B_CHUNK, False)
+        _place_pairs(tl.program_id(0), tl.num_programs(0), experts_ptr, counts_ptr, ranks_ptr, sorted_ptr,
+                     block_expert_ptr, total_ptr, N, E_P2, N_P2, PAIRS, J_TILE, BLOCK_M, B_CHUNK, RANKED)
 
     @triton.jit
     def _place_pairs(p, n_programs, experts_ptr, counts_ptr, ranks_ptr, sorted_ptr, block_expert_ptr, total_ptr, N,
@@ -239,25 +226,23 @@ if HAS_TRITON:
                      BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr, RANKED: tl.constexpr):
         """Program p of n_programs: each builds the whole histogram itself, places pairs [p * PAIRS, (p + 1) *
         PAIRS) at their expert's segment start plus their rank among that expert's earlier pairs (counted in
-        [PAIRS, J_TILE] tiles: no sort), and writes its share of the padding and of `block_expert`. RANKED (the
-        last program of a routing launch): the counts and ranks come from the counters that launch's programs
-        counted into, and it reads what they wrote from L2 (`.cg`), past its own SM's L1."""
+        [PAIRS, J_TILE] tiles: no sort), and writes its share of the padding and of `block_expert`. RANKED: the
+        counts and ranks come from the routing kernel's counters instead."""
         pairs = tl.arange(0, N_P2)
-        i = p * PAIRS + tl.arange(0, PAIRS)
         if RANKED:
-            counts = tl.load(counts_ptr + tl.arange(0, E_P2), cache_modifier=".cg")
-            e = tl.load(experts_ptr + i, mask=i < N, other=0, cache_modifier=".cg").to(tl.int32)
+            counts = tl.load(counts_ptr + tl.arange(0, E_P2))
         else:
             counts = tl.histogram(tl.load(experts_ptr + pairs, mask=pairs < N, other=0).to(tl.int32), E_P2,
                                   mask=pairs < N)
-            e = tl.load(experts_ptr + i, mask=i < N, other=0).to(tl.int32)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, axis=0)
         total = tl.sum(padded, axis=0)
         if p == 0:
             tl.store(total_ptr, total)
+        i = p * PAIRS + tl.arange(0, PAIRS)
+        e = tl.load(experts_ptr + i, mask=i < N, other=0).to(tl.int32)
         if RANKED:
-            rank = tl.load(ranks_ptr + i, mask=i < N, other=0, cache_modifier=".cg")
+            rank = tl.load(ranks_ptr + i, mask=i < N, other=0)
         else:
             rank = tl.zeros([PAIRS], tl.int32)
             for j0 in tl.static_range(0, N_P2, J_TILE):
@@ -279,18 +264,24 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["N_PAIRS"])
     def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, inter_ptr, iq_ptr, is_ptr, arrivals_ptr, sorted_ptr,
-                            block_expert_ptr, total_ptr, N_PAIRS, stride_x, TOP_K: tl.constexpr,
+                            block_expert_ptr, total_ptr, N_PAIRS, counts_ptr, stride_x, TOP_K: tl.constexpr,
                             H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr,
-                            DOT: tl.constexpr, INTER_GROUPS: tl.constexpr, PDL: tl.constexpr):
+                            DOT: tl.constexpr, ZERO_COUNTS: tl.constexpr, INTER_GROUPS: tl.constexpr,
+                            PDL: tl.constexpr):
         """FP8: x is e4m3 with scales xs [T, KB] (quantised per token and group), w e4m3 with scales
         ws [E, 2 * IB, KB] (gate rows' scale rows, then up rows'); BLOCK_K is the group, so each K step rescales
-        its products once. INTER_GROUPS > 0 (a multiple of BLOCK_N that divides I): the output's e4m3 groups of
-        that many values too, into iq [P, I] and is [P, I / INTER_GROUPS], as the quantiser would write them: the last of a group's programs to arrive (a counter per block and group in
+        its products once. ZERO_COUNTS (a ranked routing, whose align is done): the first program zeroes the
+        routing counters for the next layer. INTER_GROUPS > 0 (a multiple of BLOCK_N that divides I): the
+        output's e4m3 groups of that many values too, into iq [P, I] and is [P, I / INTER_GROUPS], as the
+        quantiser would write them: the last of a group's programs to arrive (a counter per block and group in
         `arrivals`, left at zero again) reads the group's stored rows back and quantises them."""
         wait_for_prior_kernels(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        if ZERO_COUNTS > 0:
+            if (pid_m == 0) & (pid_n == 0):
+                tl.store(counts_ptr + tl.arange(0, ZERO_COUNTS), tl.zeros([ZERO_COUNTS], tl.int32))
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
         e, offs_m, pair, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, N_PAIRS, BLOCK_M)
@@ -398,36 +389,37 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize:
 
 
 def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool, shared_logit: torch.Tensor | None = None,
-                 align: bool | None = None):
+                 ranked: bool | None = None):
     """Router logits [T, E] -> (weights [T, top_k] in the logits' dtype, experts int64): fp32 softmax, top-k,
     optional renormalisation. (The model's router GEMM is fused with the shared expert's, so it passes logits.)
     With `shared_logit` [T, 1]: one more pair per token, expert E (the shared expert, see `Experts.host`) with
-    weight sigmoid(shared_logit), so both are [T, top_k + 1]. `align` given: a third result, the pairs aligned
-    by the routing launch itself (`Aligned`, for `fused_experts` with the experts all on this rank, the shared
-    expert as expert E) when `align` and the kernel path took at most ALIGN_CHUNK pairs (decode, verify), else
-    None (`fused_experts` aligns them)."""
+    weight sigmoid(shared_logit), so both are [T, top_k + 1]. `ranked` given: a third result, each pair's rank
+    among its expert's pairs (int32, same shape) when `ranked` and the kernel path counted them (up to
+    ALIGN_CHUNK pairs), else None; ranks must go to `fused_experts` with these experts, which resets the
+    counters they came from. Up to RANK_PAIRS pairs (one request's decode or verify step) the kernel path
+    aligns them in the routing launch instead, and the third result is that layout (`Aligned`), for
+    `fused_experts` in place of ranks, with the experts all on this rank (the shared expert as expert E)."""
     if use_triton(logits):
-        return route_logits_triton(logits, top_k, renormalize, shared_logit, align)
+        return route_logits_triton(logits, top_k, renormalize, shared_logit, ranked)
     out = route_logits_torch(logits, top_k, renormalize, shared_logit)
-    return out if align is None else (*out, None)
+    return out if ranked is None else (*out, None)
 
 
 def fused_experts(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None,
-                  block=None, shared=None, shared_logit=None, summed=True, aligned=None,
+                  block=None, shared=None, shared_logit=None, summed=True, ranks=None,
                   inter_groups=True) -> torch.Tensor:
     """x: [T, H]; weights, experts: [T, top_k] -> [T, H]. FP8 experts: e4m3 `gate_up` / `down` with their
     scales and block (see `Experts`); activations are quantised per token and group of block[1] channels.
     `shared` [T, H] and `shared_logit` [T, 1]: plus the gated shared expert, sigmoid(shared_logit) * shared
     (the kernel path adds it in the pass that sums the experts' outputs). `summed=False` (no `shared`): the
     kernel path may return the weighted per-pair outputs [T, top_k, H] unsummed, for the next residual add to
-    sum (`add_rms_norm_1p` takes them): one launch fewer. `aligned`: from `route_logits(..., align=True)`.
+    sum (`add_rms_norm_1p` takes them): one launch fewer. `ranks`: from `route_logits(..., ranked=True)`.
     `inter_groups` (FP8, kernel path): the gate/up kernel writes the e4m3 groups of SiLU(gate) * up for the down
     GEMM where its tiles allow, else a quantiser launch does (`DecoderLayer.quantize_in_producers`)."""
     fp8 = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, block=block)
     if use_triton(x):
         return fused_experts_triton(x, gate_up, down, weights, experts, **fp8, shared=shared,
-                                    shared_logit=shared_logit, summed=summed, aligned=aligned,
-                                    inter_groups=inter_groups)
+                                    shared_logit=shared_logit, summed=summed, ranks=ranks, inter_groups=inter_groups)
     out = _fused_experts_torch(x, gate_up, down, weights, experts, **fp8)
     return out if shared is None else out + torch.sigmoid(shared_logit) * shared
 
@@ -478,44 +470,47 @@ def _fused_experts_torch(x, gate_up, down, weights, experts, gate_up_scale=None,
 # ---------------------------------------------------------------------------------------------------- triton
 
 def routing_counters(device, experts_p2: int) -> torch.Tensor:
-    """The per-expert counters of a routing launch that aligns its pairs (every MoE layer's, `zeroed_counters`)."""
+    """The per-expert counters of ranked routing (every MoE layer's, `zeroed_counters`)."""
     return zeroed_counters("moe routing", device, experts_p2, 512)
 
 
-def route_logits_triton(logits, top_k, renormalize, shared_logit=None, align=None):
+def route_logits_triton(logits, top_k, renormalize, shared_logit=None, ranked=None):
     T, E = logits.shape
-    with_shared = shared_logit is not None
-    width, n_experts = top_k + with_shared, E + with_shared
-    n = T * width
+    width = top_k + (shared_logit is not None)
     weights = torch.empty(T, width, dtype=logits.dtype, device=logits.device)
     experts = torch.empty(T, width, dtype=torch.int64, device=logits.device)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    shared = shared_logit if with_shared else logits
-    # the router's columns of the fused MoE projection are read in place (row stride of the fused output)
-    routing = dict(TOP_K=top_k, K_P2=triton.next_power_of_2(width), E_P2=triton.next_power_of_2(E),
-                   RENORM=renormalize, SHARED=with_shared, EX_P2=triton.next_power_of_2(n_experts), B_CHUNK=16)
-    if align and 0 < n <= ALIGN_CHUNK:  # decode, verify: the routing launch aligns the pairs for the experts' tiles
-        block_m = _configs(n, n_experts)[0]
-        aligned = Aligned(*_align_buffers(n, n_experts, block_m, logits.device), block_m)
-        sizes = dict(N_P2=max(16, triton.next_power_of_2(n)), BLOCK_M=block_m)
-        if n <= RANK_PAIRS:  # one request's step: one program routes, then aligns
-            _route_align_kernel[(1,)](logits, shared, weights, experts, *aligned[:3], T, E, logits.stride(0),
-                                      shared.stride(0), **routing, **sizes, num_warps=4, **pdl(logits))
-        else:  # a program per token, the last of which aligns (the ranks are scratch)
-            counts = routing_counters(logits.device, routing["EX_P2"])
-            arrivals = zeroed_counters("moe routing arrivals", logits.device, 1, 1)
-            ranks = torch.empty(T, width, dtype=torch.int32, device=logits.device)
-            _route_kernel[(T,)](logits, shared, weights, experts, counts, ranks, arrivals, *aligned[:3], E,
-                                logits.stride(0), shared.stride(0), **routing, **sizes, ALIGN=True, num_warps=4,
-                                **pdl(logits))
-    else:
-        aligned = None
-        if T:  # the align's arguments are not touched (nor do token counts make variants of the kernel)
-            _route_kernel[(T,)](logits, shared, weights, experts, *(experts,) * 6, E, logits.stride(0),
-                                shared.stride(0), **routing, N_P2=16, BLOCK_M=16, ALIGN=False,
-                                num_warps=1 if E <= 1024 else 4, **pdl(logits))
-    return (weights, experts, aligned) if align is not None else (weights, experts)
+    shared = logits if shared_logit is None else shared_logit
+    if ranked and 0 < T * width <= RANK_PAIRS:
+        return weights, experts, _route_and_align(logits, shared, shared_logit is not None, weights, experts, top_k,
+                                                  renormalize)
+    wanted, ranked = ranked is not None, bool(ranked) and 0 < T * width <= ALIGN_CHUNK  # more: sorting path
+    ranks = torch.empty(T, width, dtype=torch.int32, device=logits.device) if ranked else None
+    if T:
+        counts = routing_counters(logits.device, triton.next_power_of_2(E + 1)) if ranked else experts
+        # the router's columns of the fused MoE projection are read in place (row stride of the fused output)
+        _route_kernel[(T,)](logits, shared, weights, experts, counts, ranks if ranked else experts, E,
+                            logits.stride(0), shared.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(width),
+                            E_P2=triton.next_power_of_2(E), RENORM=renormalize, SHARED=shared_logit is not None,
+                            RANKED=ranked, num_warps=1 if E <= 1024 else 4, **pdl(logits))
+    return (weights, experts, ranks) if wanted else (weights, experts)
+
+
+def _route_and_align(logits, shared, with_shared, weights, experts, top_k, renormalize) -> Aligned:
+    """`_route_align_kernel` into `weights` and `experts`; the layout for the block rows `fused_experts` takes
+    at this many pairs over these experts (the shared expert, when routed, as expert E)."""
+    T, E = logits.shape
+    n_experts = E + with_shared
+    n = experts.numel()
+    block_m = _configs(n, n_experts)[0]
+    out = Aligned(*_align_buffers(n, n_experts, block_m, logits.device), block_m)
+    _route_align_kernel[(1,)](
+        logits, shared, weights, experts, out.sorted_ids, out.block_expert, out.total, T, E, logits.stride(0),
+        shared.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(weights.shape[1]), E_P2=triton.next_power_of_2(E),
+        RENORM=renormalize, SHARED=with_shared, EX_P2=triton.next_power_of_2(n_experts),
+        N_P2=max(16, triton.next_power_of_2(n)), BLOCK_M=block_m, B_CHUNK=16, num_warps=4, **pdl(logits))
+    return out
 
 
 def padded_size(n_pairs: int, num_experts: int, block_m: int) -> int:
@@ -532,13 +527,15 @@ def _align_buffers(n_pairs: int, num_experts: int, block_m: int, device):
             torch.empty(1, dtype=torch.int32, device=device))
 
 
-def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool = True, *, out=None):
+def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool = True, *, out=None,
+              ranks=None):
     """experts [T, top_k] -> (sorted_ids [P_max] int32, block_expert [P_max // block_m] int32, total [1] int32);
     see the module docstring. Nothing here waits for the device. The kernel leaves sorted_ids[total:] and
     block_expert[total // block_m:] unwritten (the GEMM kernels never read past total); only [0, total) and the
     first total // block_m blocks are the result. use_kernel=False: the torch reference. `out` (kernel only;
     tests): the three output buffers to fill in place instead of fresh torch.empty ones, so that a test can
-    pre-fill them and see what is left unwritten."""
+    pre-fill them and see what is left unwritten. `ranks` (kernel only): the pairs' ranks of a ranked routing,
+    whose counters the align reads (each expert's pairs then sit in the atomics' order, not in pair order)."""
     flat = experts.reshape(-1)
     n = flat.numel()
     p_max = padded_size(n, num_experts, block_m)
@@ -550,13 +547,15 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int, use_kernel:
             assert sorted_ids.shape == (p_max,) and block_expert.shape == (p_max // block_m,)
             assert total.shape == (1,) and {t.dtype for t in out} == {torch.int32}
         e_p2 = triton.next_power_of_2(num_experts)
+        assert ranks is None or 0 < n <= ALIGN_CHUNK
         if 0 < n <= ALIGN_CHUNK:
             n_p2 = max(16, triton.next_power_of_2(n))
             pairs = min(RANK_PAIRS, n_p2)
-            flat = flat.contiguous()
+            counts = routing_counters(flat.device, e_p2) if ranks is not None else flat
             _moe_align_ranks_kernel[(triton.cdiv(n, pairs),)](
-                flat, sorted_ids, block_expert, total, n, E_P2=e_p2, N_P2=n_p2, PAIRS=pairs, J_TILE=min(128, n_p2),
-                BLOCK_M=block_m, B_CHUNK=16, num_warps=4, **pdl(flat))
+                flat.contiguous(), counts, flat if ranks is None else ranks.reshape(-1), sorted_ids, block_expert,
+                total, n, E_P2=e_p2, N_P2=n_p2, PAIRS=pairs, J_TILE=min(128, n_p2), BLOCK_M=block_m, B_CHUNK=16,
+                RANKED=ranks is not None, num_warps=4, **pdl(counts))
         elif n:
             chunk = ALIGN_CHUNK
             n_chunks = triton.cdiv(n, chunk)
@@ -606,7 +605,7 @@ def _configs(n_pairs: int, num_experts: int, fp8: bool = False):
 
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
-                         shared=None, shared_logit=None, summed=True, aligned=None, block_m=None, gate_up_cfg=None,
+                         shared=None, shared_logit=None, summed=True, ranks=None, block_m=None, gate_up_cfg=None,
                          down_cfg=None, align_kernel=True, buf=None, dot=None, inter_groups=True):
     """The Triton path (see the module docstring). The keyword arguments after `summed` override tiling and the
     align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group."""
@@ -623,11 +622,12 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     x = x.contiguous() if x.stride(1) != 1 else x
     gate_up, down = gate_up.contiguous(), down.contiguous()
     route_w = weights.reshape(-1).contiguous()
-    if aligned is not None:  # the routing launch aligned the pairs already
-        assert aligned.block_m == bm, "aligned for other block rows than this tiling's"
-        sorted_ids, block_expert, total, _ = aligned
+    if isinstance(ranks, Aligned):  # the routing launch aligned the pairs already
+        assert ranks.block_m == bm, "aligned for other block rows than this tiling's"
+        sorted_ids, block_expert, total, _ = ranks
+        ranks = None  # no counters to reset
     else:
-        sorted_ids, block_expert, total = moe_align(experts, E, bm, align_kernel)
+        sorted_ids, block_expert, total = moe_align(experts, E, bm, align_kernel, ranks=ranks)
     num_blocks = block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     group_n = block[0] if fp8 else 1
@@ -638,6 +638,8 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     xq, xs = activation_groups(x, block[1]) if fp8 else (x, x)
     inter = torch.empty(sorted_ids.shape[0], inter_size, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = gu
+    e_p2 = triton.next_power_of_2(E)  # a ranked routing's counters, zeroed by the gate/up kernel once read
+    counts = routing_counters(x.device, e_p2) if ranks is not None else total
     groups = block[1] if fp8 and inter_groups and block[1] % bn == 0 and inter_size % block[1] == 0 else 0
     if groups:
         inter_q, inter_s = (torch.empty_like(inter, dtype=FP8_DTYPE),
@@ -647,9 +649,10 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
         inter_q = inter_s = arrivals = inter
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, bn))](
         xq, xs, gate_up, gate_up_scale if fp8 else gate_up, inter, inter_q, inter_s, arrivals, sorted_ids, block_expert,
-        total, n_pairs, xq.stride(0),
+        total, n_pairs, counts, xq.stride(0),
         TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
-        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, INTER_GROUPS=groups, num_warps=warps, num_stages=stages, **pdl(xq))
+        PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, ZERO_COUNTS=e_p2 if ranks is not None else 0,
+        INTER_GROUPS=groups, num_warps=warps, num_stages=stages, **pdl(xq))
     if buf is None:
         buf = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
     if fp8 and not groups:
