@@ -163,7 +163,6 @@ def experts(tokens, sweep, bw):
         tf, tb = graph_time_us(fns), graph_time_us(fns_b)
         time_fp8 = lambda **tiling: graph_time_us(
             [lambda w=w, e=e: moe.fused_experts_triton(x, qgu, qd, w, e, **tiling, **kw) for w, e in routes])
-        variants["inter quantised by a launch"] = time_fp8(inter_groups=False)  # not by the gate/up kernel
         if sweep:
             for dot in (0, 1, 2):  # the dispatch's is 1 at decode sizes, 0 at prefill sizes
                 variants[f"dot{dot}"] = time_fp8(dot=dot)

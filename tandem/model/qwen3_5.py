@@ -371,7 +371,6 @@ class Experts(nn.Module):
         self.block: tuple[int, int] | None = None
         self.tp_splits = {"gate_up_proj": Split(0), "down_proj": Split(0)}
         self._with_shared: tuple | None = None  # `host`: (gate_up, down, their scales) of E + 1 experts
-        self.inter_groups = False  # FP8: the gate/up kernel quantises its output (`quantize_in_producers`)
 
     def host(self, shared: MLP) -> bool:
         """Stores `shared` as expert E, right after the E experts (the parameters of both become views of
@@ -409,8 +408,7 @@ class Experts(nn.Module):
         `shared`, the shared expert is expert E among `experts` (`host`), and the kernel path leaves the sum to
         the next residual add: it returns the per-pair outputs [T, top_k + 1, H] (see `add_rms_norm_1p`).
         `ranks`: of a ranked routing (`route_logits`), when `all_local`."""
-        fp8 = dict(gate_up_scale=self.gate_up_proj_scale_inv, down_scale=self.down_proj_scale_inv, block=self.block,
-                   inter_groups=self.inter_groups)
+        fp8 = dict(gate_up_scale=self.gate_up_proj_scale_inv, down_scale=self.down_proj_scale_inv, block=self.block)
         if shared is None:
             gate_up, down, fp8["gate_up_scale"], fp8["down_scale"] = self._with_shared
             return fused_experts(x, gate_up, down, weights, experts, **fp8, summed=False, ranks=ranks)
@@ -512,9 +510,8 @@ class DecoderLayer(nn.Module):
         """The kernel before each FP8 GEMM writes the e4m3 groups of its input (one quantiser launch fewer each):
         the input norm for the attention / GDN projections, the post-attention norm for the MLP or MoE block,
         the GDN output norm and the attention output gate for the out projections, the SwiGLU of a dense MLP
-        or of a shared expert run as an MLP for its down projection, the experts' gate/up kernel for their down
-        GEMM. `on=False`: none does (each GEMM's input is quantised by a launch of its own; benchmarks compare
-        the two)."""
+        or of a shared expert run as an MLP for its down projection. `on=False`: none does (each GEMM's input is
+        quantised by a launch of its own; benchmarks compare the two)."""
         mixer = self.self_attn if self.is_attention else self.linear_attn
         self.input_layernorm.fp8_group = mixer.fp8_input_group() if on else None
         self.post_attention_layernorm.fp8_group = self.mlp.fp8_input_group() if on else None
@@ -526,8 +523,6 @@ class DecoderLayer(nn.Module):
         for mlp in self.mlp.modules():
             if isinstance(mlp, MLP):
                 mlp.act_fp8_group = _fp8_group(mlp.down_proj) if on else None
-            elif isinstance(mlp, Experts):
-                mlp.inter_groups = on
 
     def steps(self, h, delta, batch: ForwardBatch, inv_freq, cache):
         """The residual stream is `h + delta` (delta: the previous block's output, not yet added, possibly as

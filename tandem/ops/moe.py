@@ -35,11 +35,9 @@ CUDA graph:
 
 FP8 experts (e4m3 weights with 128 x 128 block scales) run the same two kernels with e4m3 dots: x is quantised per
 token and 128-channel group before step 3 (by the norm that produced it, when it did: `activation_groups`), and
-`inter` per pair row and group before step 4, by the gate/up kernel itself: the last of a group's N tiles to
-finish reads the group's rows back and quantises them as `tandem/ops/fp8.py`'s group quantiser does (where the
-tiles do not split the groups evenly, one launch of that quantiser does it, up to `total`, read on the device);
-each K step is one group, rescaled once (at prefill sizes with Hopper's fast accumulation inside the group:
-`fp8.dot_mode`).
+`inter` per pair row (up to `total`, read on the device) before step 4, by one launch of `tandem/ops/fp8.py`'s
+group quantiser; each K step is one group, rescaled once (at prefill sizes with Hopper's fast accumulation inside
+the group: `fp8.dot_mode`).
 """
 
 from typing import NamedTuple
@@ -47,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.fp8 import FP8_DTYPE, dot_mode, w8a8_linear_torch
+from tandem.ops.fp8 import dot_mode, w8a8_linear_torch
 from tandem.ops.pointwise import gated_sum, silu_mul_torch
 from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton, zeroed_counters
 
@@ -71,7 +69,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from tandem.ops.fp8 import activation_groups, group_dot, quantize_activations_triton, quantize_rows
+    from tandem.ops.fp8 import activation_groups, group_dot, quantize_activations_triton
     from tandem.ops.triton_utils import wait_for_prior_kernels
 
     @triton.jit
@@ -263,19 +261,15 @@ if HAS_TRITON:
         return e, offs_m, pair, pair < N_PAIRS
 
     @triton.jit(do_not_specialize=["N_PAIRS"])
-    def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, inter_ptr, iq_ptr, is_ptr, arrivals_ptr, sorted_ptr,
-                            block_expert_ptr, total_ptr, N_PAIRS, counts_ptr, stride_x, TOP_K: tl.constexpr,
-                            H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr,
-                            DOT: tl.constexpr, ZERO_COUNTS: tl.constexpr, INTER_GROUPS: tl.constexpr,
-                            PDL: tl.constexpr):
+    def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, inter_ptr, sorted_ptr, block_expert_ptr, total_ptr, N_PAIRS,
+                            counts_ptr, stride_x, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr,
+                            ZERO_COUNTS: tl.constexpr, PDL: tl.constexpr):
         """FP8: x is e4m3 with scales xs [T, KB] (quantised per token and group), w e4m3 with scales
         ws [E, 2 * IB, KB] (gate rows' scale rows, then up rows'); BLOCK_K is the group, so each K step rescales
         its products once. ZERO_COUNTS (a ranked routing, whose align is done): the first program zeroes the
-        routing counters for the next layer. INTER_GROUPS > 0 (a multiple of BLOCK_N that divides I): the
-        output's e4m3 groups of that many values too, into iq [P, I] and is [P, I / INTER_GROUPS], as the
-        quantiser would write them: the last of a group's programs to arrive (a counter per block and group in
-        `arrivals`, left at zero again) reads the group's stored rows back and quantises them."""
+        routing counters for the next layer."""
         wait_for_prior_kernels(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -324,17 +318,6 @@ if HAS_TRITON:
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         out_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * I + n[None, :]
         tl.store(out_ptrs, act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
-        if INTER_GROUPS > 0:
-            TILES: tl.constexpr = INTER_GROUPS // BLOCK_N  # programs per group
-            G_PER_ROW: tl.constexpr = I // INTER_GROUPS
-            g = pid_n // TILES
-            slot = pid_m * G_PER_ROW + g
-            if tl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel") == TILES - 1:  # the others' rows are out
-                rows = offs_m[:, None].to(tl.int64) * I + g * INTER_GROUPS + tl.arange(0, INTER_GROUPS)[None, :]
-                q, sc = quantize_rows(tl.load(inter_ptr + rows, cache_modifier=".cg").to(tl.float32))
-                tl.store(iq_ptr + rows, q)
-                tl.store(is_ptr + offs_m.to(tl.int64) * G_PER_ROW + g, sc)
-                tl.atomic_xchg(arrivals_ptr + slot, 0)
 
     @triton.jit(do_not_specialize=["N_PAIRS"])
     def _moe_down_kernel(inter_ptr, is_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr,
@@ -406,20 +389,17 @@ def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool, shared_log
 
 
 def fused_experts(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None,
-                  block=None, shared=None, shared_logit=None, summed=True, ranks=None,
-                  inter_groups=True) -> torch.Tensor:
+                  block=None, shared=None, shared_logit=None, summed=True, ranks=None) -> torch.Tensor:
     """x: [T, H]; weights, experts: [T, top_k] -> [T, H]. FP8 experts: e4m3 `gate_up` / `down` with their
     scales and block (see `Experts`); activations are quantised per token and group of block[1] channels.
     `shared` [T, H] and `shared_logit` [T, 1]: plus the gated shared expert, sigmoid(shared_logit) * shared
     (the kernel path adds it in the pass that sums the experts' outputs). `summed=False` (no `shared`): the
     kernel path may return the weighted per-pair outputs [T, top_k, H] unsummed, for the next residual add to
-    sum (`add_rms_norm_1p` takes them): one launch fewer. `ranks`: from `route_logits(..., ranked=True)`.
-    `inter_groups` (FP8, kernel path): the gate/up kernel writes the e4m3 groups of SiLU(gate) * up for the down
-    GEMM where its tiles allow, else a quantiser launch does (`DecoderLayer.quantize_in_producers`)."""
+    sum (`add_rms_norm_1p` takes them): one launch fewer. `ranks`: from `route_logits(..., ranked=True)`."""
     fp8 = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, block=block)
     if use_triton(x):
         return fused_experts_triton(x, gate_up, down, weights, experts, **fp8, shared=shared,
-                                    shared_logit=shared_logit, summed=summed, ranks=ranks, inter_groups=inter_groups)
+                                    shared_logit=shared_logit, summed=summed, ranks=ranks)
     out = _fused_experts_torch(x, gate_up, down, weights, experts, **fp8)
     return out if shared is None else out + torch.sigmoid(shared_logit) * shared
 
@@ -606,7 +586,7 @@ def _configs(n_pairs: int, num_experts: int, fp8: bool = False):
 
 def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=None, down_scale=None, block=None,
                          shared=None, shared_logit=None, summed=True, ranks=None, block_m=None, gate_up_cfg=None,
-                         down_cfg=None, align_kernel=True, buf=None, dot=None, inter_groups=True):
+                         down_cfg=None, align_kernel=True, buf=None, dot=None):
     """The Triton path (see the module docstring). The keyword arguments after `summed` override tiling and the
     align method and give the [T*top_k, H] per-pair buffer (tests). FP8: BLOCK_K is the activation group."""
     T, H = x.shape
@@ -631,32 +611,22 @@ def fused_experts_triton(x, gate_up, down, weights, experts, *, gate_up_scale=No
     num_blocks = block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     group_n = block[0] if fp8 else 1
-    # FP8: activations are quantised once per token (x: its producer or a launch of the quantiser) and per pair
-    # (SiLU(gate) * up: the gate/up kernel, once a group's N tiles are all out, where they split the groups evenly;
-    # else the quantiser, rows up to `total`); inside the GEMM that reads them every N tile would redo the
-    # quantiser's divisions
+    # FP8: activations are quantised once per token (x) and per pair (SiLU(gate) * up, rows up to `total`), each
+    # by a launch of its own (inside the GEMMs every N tile would redo the quantiser's divisions)
     xq, xs = activation_groups(x, block[1]) if fp8 else (x, x)
     inter = torch.empty(sorted_ids.shape[0], inter_size, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = gu
     e_p2 = triton.next_power_of_2(E)  # a ranked routing's counters, zeroed by the gate/up kernel once read
     counts = routing_counters(x.device, e_p2) if ranks is not None else total
-    groups = block[1] if fp8 and inter_groups and block[1] % bn == 0 and inter_size % block[1] == 0 else 0
-    if groups:
-        inter_q, inter_s = (torch.empty_like(inter, dtype=FP8_DTYPE),
-                            torch.empty(inter.shape[0], inter_size // groups, dtype=torch.float32, device=x.device))
-        arrivals = zeroed_counters("experts' inter groups", x.device, num_blocks * (inter_size // groups), 4096)
-    else:  # the gate/up kernel leaves these three alone; bf16's down GEMM reads `inter` itself
-        inter_q = inter_s = arrivals = inter
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, bn))](
-        xq, xs, gate_up, gate_up_scale if fp8 else gate_up, inter, inter_q, inter_s, arrivals, sorted_ids, block_expert,
-        total, n_pairs, counts, xq.stride(0),
+        xq, xs, gate_up, gate_up_scale if fp8 else gate_up, inter, sorted_ids, block_expert, total, n_pairs, counts,
+        xq.stride(0),
         TOP_K=top_k, H=H, I=inter_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1] if fp8 else bk,
         PRECISION=precision, FP8=fp8, GROUP_N=group_n, DOT=dot, ZERO_COUNTS=e_p2 if ranks is not None else 0,
-        INTER_GROUPS=groups, num_warps=warps, num_stages=stages, **pdl(xq))
+        num_warps=warps, num_stages=stages, **pdl(xq))
     if buf is None:
         buf = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
-    if fp8 and not groups:
-        inter_q, inter_s = quantize_activations_triton(inter, block[1], rows=total)
+    inter_q, inter_s = quantize_activations_triton(inter, block[1], rows=total) if fp8 else (inter, inter)
     bn, bk, warps, stages = dn
     _moe_down_kernel[(num_blocks, triton.cdiv(H, bn))](
         inter_q, inter_s, down, down_scale if fp8 else down, buf, sorted_ids, block_expert, total, route_w, n_pairs,
