@@ -95,7 +95,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from tandem.ops.triton_utils import wait_for_prior_kernels
+    from tandem.ops.triton_utils import store_split_k, wait_for_prior_kernels
 
     @triton.jit
     def quantize_rows(a):
@@ -156,9 +156,8 @@ if HAS_TRITON:
                      BLOCK_N: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                      PDL: tl.constexpr):
         """out[M, N] = xq[M, K] @ w[N, K]^T, a K step per activation group, each rescaled by its two scales.
-        SPLIT > 1: program (m, n, s) takes groups [s * KB_PER_SPLIT, (s + 1) * KB_PER_SPLIT), stores its fp32
-        partial in part[s] and counts itself in its tile's counter; the last of the tile's SPLIT programs to
-        arrive adds the partials in split order (deterministic) and resets the counter for the next launch."""
+        SPLIT > 1: program (m, n, s) takes groups [s * KB_PER_SPLIT, (s + 1) * KB_PER_SPLIT), and the last of a
+        tile's programs to finish adds their partials (`store_split_k`)."""
         wait_for_prior_kernels(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -184,19 +183,8 @@ if HAS_TRITON:
             acc += group_dot(a, w, xs, ws, DOT)
             x_ptrs += GROUP_K
             w_ptrs += GROUP_K
-        ok = m_ok[:, None] & n_ok[None, :]
-        mn = m[:, None].to(tl.int64) * N + n[None, :]
-        if SPLIT > 1:
-            tl.store(part_ptr + pid_s.to(tl.int64) * M * N + mn, acc, mask=ok)
-            tile = pid_m * tl.num_programs(1) + pid_n
-            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:  # the others' partials are out
-                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for s in range(SPLIT):
-                    acc += tl.load(part_ptr + s * M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + mn, acc.to(out_ptr.dtype.element_ty), mask=ok)
-                tl.atomic_xchg(count_ptr + tile, 0)
-        else:
-            tl.store(out_ptr + mn, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        store_split_k(acc, out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(1) + pid_n, pid_s,
+                      m[:, None].to(tl.int64) * N + n[None, :], m_ok[:, None] & n_ok[None, :], M * N, SPLIT)
 
 
 def quantize_activations(x: torch.Tensor, group: int):
