@@ -35,7 +35,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.triton_utils import HAS_TRITON, pdl, row_block, use_triton, zeroed_counters
+from tandem.ops.triton_utils import HAS_TRITON, pdl, row_block, split_k_buffers, use_triton
 
 log = logging.getLogger(__name__)
 
@@ -423,15 +423,11 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=None):
     kb = cdiv(K, block[1])
     bm, bn, split, warps, stages = tiles or _gemm_tiles(M, N, kb, _sm_count(x.device))
     dot = dot_mode(bm) if dot is None else dot
-    per_split = cdiv(kb, split)
-    split = cdiv(kb, per_split)
     xq, xs = activation_groups(x, block[1])
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
-    part, counts = (torch.empty(split, M, N, dtype=torch.float32, device=x.device),
-                    # `_gemm_tiles` splits only grids of fewer than two programs per SM: 4096 counters serve
-                    zeroed_counters("split-K tiles", x.device, grid[0] * grid[1], 4096)) if split > 1 else (out, out)
-    _w8a8_kernel[grid](xq, xs, w, scale_inv, out, part, counts, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1],
-                       BLOCK_M=bm, BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot, num_warps=warps,
-                       num_stages=stages, **pdl(xq))
+    tiles_m, tiles_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
+    per_split, split, part, counts = split_k_buffers(out, kb, split, tiles_m * tiles_n)
+    _w8a8_kernel[(tiles_m, tiles_n, split)](
+        xq, xs, w, scale_inv, out, part, counts, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1], BLOCK_M=bm,
+        BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot, num_warps=warps, num_stages=stages, **pdl(xq))
     return out.view(*x.shape[:-1], N)

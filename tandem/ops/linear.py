@@ -13,7 +13,7 @@ Everything else -- or not on CUDA -- is `F.linear` (the reference).
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.triton_utils import HAS_TRITON, pdl, row_block, use_triton, zeroed_counters
+from tandem.ops.triton_utils import HAS_TRITON, pdl, row_block, split_k_buffers, use_triton
 
 SKINNY_MIN_ROWS = 33  # the H200 profiles of 2026-12-05: cuBLAS up to 32 rows, this kernel at 96
 SKINNY_MAX_ROWS = 128  # verify steps; prefill rows go to cuBLAS
@@ -76,13 +76,10 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, tiles=None) -> torch.
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_m = row_block(M)
     block_n, block_k, warps, stages, split = tiles or SKINNY_TILES
-    per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-    split = triton.cdiv(K, per_split)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)
-    part, counts = (torch.empty(split, M, N, dtype=torch.float32, device=x.device),
-                    zeroed_counters("split-K tiles", x.device, grid[0] * grid[1], 4096)) if split > 1 else (out, out)
-    _skinny_linear_kernel[grid](
+    tiles_n, tiles_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
+    steps, split, part, counts = split_k_buffers(out, triton.cdiv(K, block_k), split, tiles_n * tiles_m)
+    _skinny_linear_kernel[(tiles_n, tiles_m, split)](
         x2, w, out, part, counts, M, N, x2.stride(0), w.stride(0), K=K, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, K_PER_SPLIT=per_split, SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages, **pdl(x))
+        BLOCK_K=block_k, K_PER_SPLIT=steps * block_k, SPLIT=split,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl(x))
     return out.view(*x.shape[:-1], N)

@@ -71,6 +71,19 @@ if HAS_TRITON:
             tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def split_k_buffers(out: torch.Tensor, k_steps: int, split: int, tiles: int):
+    """The host side of `store_split_k` for a GEMM into out [M, N] of `k_steps` K steps, asked to split them
+    `split` ways, over `tiles` output tiles -> (K steps per split, the splits that leaves, the partials buffer,
+    the tiles' counters); unsplit, the last two are `out`, which the kernel then does not touch as such."""
+    per_split = -(-k_steps // split)
+    split = -(-k_steps // per_split)
+    if split == 1:
+        return per_split, 1, out, out
+    # the dispatches split only grids of fewer than two programs per SM: 4096 counters serve
+    return (per_split, split, torch.empty(split, *out.shape, dtype=torch.float32, device=out.device),
+            zeroed_counters("split-K tiles", out.device, tiles, 4096))
+
+
 def row_block(rows: int) -> int:
     """The row tile of a GEMM kernel at decode and verify sizes: three variants cover every row count."""
     return 16 if rows <= 16 else (32 if rows <= 32 else 64)
