@@ -35,7 +35,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tandem.ops.triton_utils import HAS_TRITON, pdl, row_block, split_k_buffers, use_triton
+from tandem.ops.triton_utils import HAS_TRITON, pdl, row_block, use_triton, zeroed_counters
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from tandem.ops.triton_utils import store_split_k, wait_for_prior_kernels
+    from tandem.ops.triton_utils import wait_for_prior_kernels
 
     @triton.jit
     def quantize_rows(a):
@@ -156,8 +156,9 @@ if HAS_TRITON:
                      BLOCK_N: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                      PDL: tl.constexpr):
         """out[M, N] = xq[M, K] @ w[N, K]^T, a K step per activation group, each rescaled by its two scales.
-        SPLIT > 1: program (m, n, s) takes groups [s * KB_PER_SPLIT, (s + 1) * KB_PER_SPLIT), and the last of a
-        tile's programs to finish adds their partials (`store_split_k`)."""
+        SPLIT > 1: program (m, n, s) takes groups [s * KB_PER_SPLIT, (s + 1) * KB_PER_SPLIT), stores its fp32
+        partial in part[s] and counts itself in its tile's counter; the last of the tile's SPLIT programs to
+        arrive adds the partials in split order (deterministic) and resets the counter for the next launch."""
         wait_for_prior_kernels(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -183,8 +184,19 @@ if HAS_TRITON:
             acc += group_dot(a, w, xs, ws, DOT)
             x_ptrs += GROUP_K
             w_ptrs += GROUP_K
-        store_split_k(acc, out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(1) + pid_n, pid_s,
-                      m[:, None].to(tl.int64) * N + n[None, :], m_ok[:, None] & n_ok[None, :], M * N, SPLIT)
+        ok = m_ok[:, None] & n_ok[None, :]
+        mn = m[:, None].to(tl.int64) * N + n[None, :]
+        if SPLIT > 1:
+            tl.store(part_ptr + pid_s.to(tl.int64) * M * N + mn, acc, mask=ok)
+            tile = pid_m * tl.num_programs(1) + pid_n
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:  # the others' partials are out
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in range(SPLIT):
+                    acc += tl.load(part_ptr + s * M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + mn, acc.to(out_ptr.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(count_ptr + tile, 0)
+        else:
+            tl.store(out_ptr + mn, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def quantize_activations(x: torch.Tensor, group: int):
@@ -423,11 +435,15 @@ def w8a8_linear_triton(x, w, scale_inv, block, *, tiles=None, dot=None):
     kb = cdiv(K, block[1])
     bm, bn, split, warps, stages = tiles or _gemm_tiles(M, N, kb, _sm_count(x.device))
     dot = dot_mode(bm) if dot is None else dot
+    per_split = cdiv(kb, split)
+    split = cdiv(kb, per_split)
     xq, xs = activation_groups(x, block[1])
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    tiles_m, tiles_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
-    per_split, split, part, counts = split_k_buffers(out, kb, split, tiles_m * tiles_n)
-    _w8a8_kernel[(tiles_m, tiles_n, split)](
-        xq, xs, w, scale_inv, out, part, counts, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1], BLOCK_M=bm,
-        BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot, num_warps=warps, num_stages=stages, **pdl(xq))
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    part, counts = (torch.empty(split, M, N, dtype=torch.float32, device=x.device),
+                    # `_gemm_tiles` splits only grids of fewer than two programs per SM: 4096 counters serve
+                    zeroed_counters("split-K tiles", x.device, grid[0] * grid[1], 4096)) if split > 1 else (out, out)
+    _w8a8_kernel[grid](xq, xs, w, scale_inv, out, part, counts, M, N=N, K=K, GROUP_N=block[0], GROUP_K=block[1],
+                       BLOCK_M=bm, BLOCK_N=bn, KB_PER_SPLIT=per_split, SPLIT=split, DOT=dot, num_warps=warps,
+                       num_stages=stages, **pdl(xq))
     return out.view(*x.shape[:-1], N)

@@ -1,8 +1,8 @@
 """Triton kernels serve CUDA tensors; everything else takes the torch reference. (The CPU test suite still runs
 the kernels, called directly, under Triton's interpreter: TRITON_INTERPRET=1.) TANDEM_TORCH_OPS=1 sends CUDA
 tensors to the references too, to tell a kernel problem from anything else. Also what several kernels' dispatches
-share: the decode-size row tile (`row_block`), persistent zeroed counters (`zeroed_counters`), the split-K
-epilogue (`store_split_k`) and programmatic dependent launch (`pdl`, `wait_for_prior_kernels`)."""
+share: the decode-size row tile (`row_block`), persistent zeroed counters (`zeroed_counters`) and programmatic
+dependent launch (`pdl`, `wait_for_prior_kernels`)."""
 
 import functools
 import os
@@ -52,36 +52,6 @@ if HAS_TRITON:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def store_split_k(acc, out_ptr, part_ptr, count_ptr, tile, pid_s, offs, ok, MN, SPLIT: tl.constexpr):
-        """Stores a GEMM tile's fp32 `acc` at `offs` of out (mask `ok`). SPLIT > 1 (the tile's K split over SPLIT
-        programs): `acc` is partial `pid_s`, stored in part [SPLIT, MN]; the last of the tile's programs to
-        arrive (counter `tile`, left at zero again) adds the partials in split order, so the sum is
-        deterministic, and stores it: no second launch."""
-        if SPLIT > 1:
-            tl.store(part_ptr + pid_s.to(tl.int64) * MN + offs, acc, mask=ok)
-            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:  # the others' partials are out
-                acc = tl.zeros_like(acc)
-                for s in range(SPLIT):
-                    acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-                tl.atomic_xchg(count_ptr + tile, 0)
-        else:
-            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def split_k_buffers(out: torch.Tensor, k_steps: int, split: int, tiles: int):
-    """The host side of `store_split_k` for a GEMM into out [M, N] of `k_steps` K steps, asked to split them
-    `split` ways, over `tiles` output tiles -> (K steps per split, the splits that leaves, the partials buffer,
-    the tiles' counters); unsplit, the last two are `out`, which the kernel then does not touch as such."""
-    per_split = -(-k_steps // split)
-    split = -(-k_steps // per_split)
-    if split == 1:
-        return per_split, 1, out, out
-    # the dispatches split only grids of fewer than two programs per SM: 4096 counters serve
-    return (per_split, split, torch.empty(split, *out.shape, dtype=torch.float32, device=out.device),
-            zeroed_counters("split-K tiles", out.device, tiles, 4096))
 
 
 def row_block(rows: int) -> int:
