@@ -61,7 +61,10 @@ PRESETS: dict[str, dict] = {
 
 def preset_config(name: str) -> ModelConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        if "/" in name or name.startswith("."):  # meant as a path (or a hub id, which is not fetched)
+            raise ValueError(f"model directory {name!r} not found: give a local checkpoint directory (config.json "
+                             f"and *.safetensors; models are not downloaded) or a preset: {', '.join(PRESETS)}")
+        raise ValueError(f"unknown preset {name!r}: give a checkpoint directory or a preset: {', '.join(PRESETS)}")
     return ModelConfig.from_hf(PRESETS[name])
 
 
