@@ -2,17 +2,24 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
 .PHONY: setup run test proto clean
 
-$(STAMP): pyproject.toml
+# the runtime dependencies only: what `make run` needs
+$(RUNTIME): pyproject.toml
 	# A GPU machine keeps the CUDA torch it has (the venv sees system packages); a CPU machine gets the CPU build.
 	@if $(PY) -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then \
 		$(PY) -m venv --system-site-packages $(VENV); \
 	else \
 		$(PY) -m venv $(VENV) && $(BIN)/pip install -q torch==2.13.0; \
 	fi
+	$(BIN)/pip install -q -e .
+	touch $(RUNTIME)
+
+# plus the test extra (the HF oracle, Triton's interpreter, the openai client, deploy checks)
+$(STAMP): $(RUNTIME)
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 
@@ -21,7 +28,7 @@ setup: $(STAMP)
 # router + 1 prefill + 1 decode worker (separate processes), one request through them, then a clean shutdown
 PORT ?= 50051
 MODEL ?= models/tandem-tiny
-run: $(STAMP)
+run: $(RUNTIME)
 	@$(BIN)/tandem serve --model $(MODEL) --port $(PORT) --metrics-port 0 --http-port 0 & pid=$$!; \
 	trap 'kill -TERM $$pid 2>/dev/null; wait $$pid' EXIT; \
 	$(BIN)/tandem request --address 127.0.0.1:$(PORT) --chat --prompt "Hello! What can you do?" --max-tokens 48 \
