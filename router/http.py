@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP in the router process: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`.
+"""OpenAI-compatible HTTP in the router process: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
+vLLM's `/tokenize` and `/detokenize`, and the router's `/metrics`.
 
     srv = start_http_server("127.0.0.1:50051", "0.0.0.0", 8000, "qwen3.5-35b-a3b", tokenizer, max_model_len=4096)
     ... srv.port ... srv.stop()
@@ -7,6 +8,11 @@ Each OpenAI request becomes one `tandem.v1.Tandem/Generate` stream per choice, s
 endpoint over loopback: validation, tokenization, stop strings and scheduling stay on one code path, and the HTTP
 side only translates. It runs aiohttp on its own thread and event loop, so it never blocks the gRPC server's
 threads. A client that disconnects cancels its gRPC calls (the router then aborts the request on the workers).
+
+The event loop only moves bytes: parsing and checking bodies (router/http_fields.py), chat templating,
+tokenization and the detokenization of long token lists run on a bounded thread pool (router/cpu_pool.py), so
+/health and other clients' streams stay quick while a multi-megabyte request is processed. Every error is OpenAI's
+error JSON (router/http_errors.py).
 """
 
 from __future__ import annotations
@@ -15,160 +21,39 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 import grpc
+import prometheus_client
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
+from router import http_fields as fields
 from router.auth import bearer_ok
+from router.cors import Cors
+from router.cpu_pool import CpuPool
+from router.http_errors import ApiError, bad, error_middleware, from_grpc, internal_error
 from tandem.rpc import common_pb2, router_pb2, router_pb2_grpc
 from tandem.rpc.convert import finish_reason_name
 from tandem.rpc.server import Tls, channel_options
 
 log = logging.getLogger(__name__)
 
-MAX_N = 128
 REQUEST_TIMEOUT = 3600.0  # seconds: the deadline of one choice's gRPC call (OpenAI has no per-request deadline)
-MAX_LOGPROBS = 20
-# gRPC status -> (HTTP status, OpenAI error type)
-_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.retry_after: float | None = None  # seconds, sent as `Retry-After` (a 429's hint)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        headers = {"Retry-After": str(max(1, math.ceil(self.retry_after)))} if self.retry_after is not None else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
-
-
-def bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param, None)
-
-
-def from_grpc(e: grpc.aio.AioRpcError) -> ApiError:
-    status, type_ = _STATUS.get(e.code(), (500, "server_error"))
-    err = ApiError(status, e.details() or e.code().name, type_, None, e.code().name.lower())
-    try:
-        hint = dict(e.trailing_metadata() or ()).get("retry-after-ms")
-    except Exception:  # no trailing metadata on this error
-        hint = None
-    if hint is not None and hint.isdigit():
-        err.retry_after = int(hint) / 1000
-    elif status == 429:
-        err.retry_after = 1.0
-    return err
-
-
-# ---- request fields -----------------------------------------------------------------------------------------------
-def _field(body: dict, name: str, kinds, default=None, check=None, why: str = ""):
-    """body[name] when present and not null, type-checked (bool is not a number here); else `default`."""
-    v = body.get(name)
-    if v is None:
-        return default
-    is_bool = isinstance(v, bool)
-    if (bool in kinds) != is_bool or not isinstance(v, kinds):
-        raise bad(f"'{name}' has the wrong type: {type(v).__name__}", name)
-    if check is not None and not check(v):
-        raise bad(f"'{name}' {why}, got {v!r}", name)
-    return v
-
-
-_NUM = (int, float)
-
-
-def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
-    """Only what the client set: the router applies vLLM's defaults to the rest."""
-    s = common_pb2.SamplingParams()
-    if max_tokens is not None:
-        s.max_tokens = max_tokens
-    if (t := _field(body, "temperature", _NUM, check=lambda v: 0 <= v <= 2, why="must be in [0, 2]")) is not None:
-        s.temperature = t
-    if (p := _field(body, "top_p", _NUM, check=lambda v: 0 < v <= 1, why="must be in (0, 1]")) is not None:
-        s.top_p = p
-    top_k = _field(body, "top_k", (int,), 0, lambda v: v >= -1, "must be -1, 0 (disabled) or positive")
-    s.top_k = max(top_k, 0)
-    s.min_p = _field(body, "min_p", _NUM, 0.0, lambda v: 0 <= v <= 1, "must be in [0, 1]")
-    if (seed := _field(body, "seed", (int,), check=lambda v: -2**63 <= v < 2**63, why="out of range")) is not None:
-        s.seed = seed
-    for name in ("presence_penalty", "frequency_penalty"):
-        setattr(s, name, _field(body, name, _NUM, 0.0, lambda v: -2 <= v <= 2, "must be in [-2, 2]"))
-    if (r := _field(body, "repetition_penalty", _NUM, check=lambda v: v > 0, why="must be > 0")) is not None:
-        s.repetition_penalty = r
-    if logprobs is not None:
-        s.logprobs = logprobs
-    ids = _field(body, "stop_token_ids", (list,), [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids):
-        raise bad("'stop_token_ids' must be a list of non-negative integers", "stop_token_ids")
-    s.stop_token_ids.extend(ids)
-    s.ignore_eos = _field(body, "ignore_eos", (bool,), False)
-    s.min_tokens = _field(body, "min_tokens", (int,), 0, lambda v: 0 <= v < 2**32, "must be >= 0")
-    return s
-
-
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise bad("'stop' must be a string or a list of strings", "stop")
-
-
-def _max_tokens(body: dict, names: tuple[str, ...], least: int = 1) -> int | None:
-    for name in names:
-        v = _field(body, name, (int,), check=lambda v: least <= v < 2**32, why=f"must be at least {least}")
-        if v is not None:
-            return v
-    return None
-
-
-def _prompts(prompt) -> list[str | list[int]]:
-    """OpenAI's `prompt`: a string, a list of token ids, or a list of either."""
-    def ids(x):
-        return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
-
-    if isinstance(prompt, str):
-        return [prompt]
-    if ids(prompt):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
-        return prompt
-    raise bad("'prompt' must be a string, a list of token ids, or a non-empty list of those", "prompt")
-
-
-def _unsupported(body: dict, names: dict) -> None:
-    for name, ok in names.items():
-        if name in body and body[name] not in (None, *ok):
-            raise bad(f"'{name}' is not supported by this server", name)
+INLINE_TOKENS = 64  # a response message with more tokens to turn into strings is converted on the CPU pool
 
 
 # ---- the app ------------------------------------------------------------------------------------------------------
 class _Api:
     def __init__(self, grpc_address: str, model_name: str, tokenizer, max_model_len: int,
                  request_timeout: float = REQUEST_TIMEOUT, api_key: str | None = None, tls: Tls | None = None,
-                 max_body_bytes: int = 64 * 1024 * 1024):
-        self.tls, self.max_body_bytes = tls, max_body_bytes
+                 max_body_bytes: int = 64 * 1024 * 1024, metrics_registry: CollectorRegistry | None = None,
+                 cors: Cors | None = None, pool: CpuPool | None = None):
+        self.tls, self.max_body_bytes, self.metrics_registry, self.cors = tls, max_body_bytes, metrics_registry, cors
         self.grpc_address, self.model_name, self.tok, self.max_model_len = \
             grpc_address, model_name, tokenizer, max_model_len
         self.api_key = api_key
@@ -177,6 +62,7 @@ class _Api:
         self.request_timeout = request_timeout
         self.created = int(time.time())
         self.channel = self.stub = self.health = None
+        self.pool = pool or CpuPool()
         self._k: int | None = None
 
     async def on_startup(self, app) -> None:
@@ -188,20 +74,36 @@ class _Api:
 
     async def on_cleanup(self, app) -> None:
         await self.channel.close()
+        self.pool.shutdown()
 
     @web.middleware
     async def authenticate(self, request, handler):
-        """/v1/* and the tokenizer routes need `Authorization: Bearer KEY` when the router has a key; /health stays
-        open for probes."""
+        """/v1/* and the tokenizer routes need `Authorization: Bearer KEY` when the router has a key; /health and
+        /metrics stay open for probes and scrapers."""
         if self.api_key and request.path.startswith(("/v1/", "/tokenize", "/detokenize")) and \
                 not bearer_ok(request.headers.get("Authorization"), self.api_key):
-            return ApiError(401, "missing or invalid API key", "invalid_request_error", code="invalid_api_key").response()
+            raise ApiError(401, "missing or invalid API key", "invalid_request_error", code="invalid_api_key")
         return await handler(request)
 
+    def app(self) -> web.Application:
+        """Error JSON outermost (it sees every other layer's failures), then CORS (preflights need no key), then
+        the API key."""
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[error_middleware])
+        if self.cors is not None:
+            self.cors.install(app)
+        app.middlewares.append(self.authenticate)
+        app.add_routes(self.routes())
+        app.on_startup.append(self.on_startup)
+        app.on_cleanup.append(self.on_cleanup)
+        return app
+
     def routes(self) -> list:
-        return [web.get("/health", self.health_check), web.get("/v1/models", self.models),
-                web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
-                web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)]
+        routes = [web.get("/health", self.health_check), web.get("/v1/models", self.models),
+                  web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+                  web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)]
+        if self.metrics_registry is not None:
+            routes.append(web.get("/metrics", self.metrics))
+        return routes
 
     # -- simple endpoints
     async def health_check(self, request) -> web.Response:
@@ -212,12 +114,17 @@ class _Api:
                 return web.Response(status=200)
         except grpc.aio.AioRpcError:
             pass
-        return ApiError(503, "the router is not ready", "service_unavailable_error").response()
+        raise ApiError(503, "the router is not ready", "service_unavailable_error")
 
     async def models(self, request) -> web.Response:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
                 "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
         return web.json_response({"object": "list", "data": [card]})
+
+    async def metrics(self, request) -> web.Response:
+        """The router's own Prometheus registry (as on --metrics-port), as vLLM serves /metrics on its API port."""
+        return web.Response(body=prometheus_client.generate_latest(self.metrics_registry),
+                            headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
     # -- vLLM's tokenizer routes (`vllm bench serve` aligns its prompts to the server's tokenizer through them)
     def _tokenizer(self):
@@ -226,34 +133,32 @@ class _Api:
         return self.tok
 
     async def tokenize(self, request) -> web.Response:
-        try:
-            body = await self._body(request)
-            tok = self._tokenizer()
-            if "messages" in body:
-                ids = self._chat_prompt(body)
-            else:
-                prompt = _field(body, "prompt", (str,), None)
-                if prompt is None:
-                    raise bad("'prompt' (a string) or 'messages' is required", "prompt")
-                ids = tok.encode(prompt, add_special_tokens=_field(body, "add_special_tokens", (bool,), True))
-            out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
-            if _field(body, "return_token_strs", (bool,), False):
-                out["token_strs"] = tok.convert_ids_to_tokens(ids)
-        except ApiError as e:
-            return e.response()
-        return web.json_response(out)
+        return web.json_response(await self.pool.run(self._tokenize, await self._body(request)))
+
+    def _tokenize(self, body: dict) -> dict:
+        tok = self._tokenizer()
+        if "messages" in body:
+            ids = self._chat_prompt(body)
+        else:
+            prompt = fields.field(body, "prompt", (str,), None)
+            if prompt is None:
+                raise bad("'prompt' (a string) or 'messages' is required", "prompt")
+            ids = tok.encode(prompt, add_special_tokens=fields.field(body, "add_special_tokens", (bool,), True))
+        out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if fields.field(body, "return_token_strs", (bool,), False):
+            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return out
 
     async def detokenize(self, request) -> web.Response:
-        try:
-            body = await self._body(request)
-            tok = self._tokenizer()
-            tokens = body.get("tokens")
-            vocab = len(tok)
-            if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
-                raise bad(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
-        except ApiError as e:
-            return e.response()
-        return web.json_response({"prompt": tok.decode(tokens)})
+        return web.json_response(await self.pool.run(self._detokenize, await self._body(request)))
+
+    def _detokenize(self, body: dict) -> dict:
+        tok = self._tokenizer()
+        tokens = body.get("tokens")
+        vocab = len(tok)
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+            raise bad(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+        return {"prompt": tok.decode(tokens)}
 
     async def _speculative_tokens(self) -> int:
         if self._k is None:
@@ -264,12 +169,9 @@ class _Api:
 
     # -- shared parsing
     async def _body(self, request) -> dict:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise bad("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise bad("the request body must be a JSON object")
+        """The request's JSON object, parsed and checked on the CPU pool (a body may be megabytes)."""
+        raw = await request.read()  # past client_max_size: aiohttp's 413, as OpenAI JSON by the error middleware
+        body = await self.pool.run(fields.parse_body, raw)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise ApiError(404, f"The model `{model}` does not exist.", "not_found_error", "model",
@@ -316,7 +218,7 @@ class _Api:
     def _requests(self, body: dict, prompts, sampling: common_pb2.SamplingParams, n: int):
         """n requests per prompt (choice index = prompt index * n + j); seeds offset by j, so that the n choices
         of a seeded request differ and stay reproducible."""
-        stop, skip = _stop(body), _field(body, "skip_special_tokens", (bool,), True)
+        stop, skip = fields.stop(body), fields.field(body, "skip_special_tokens", (bool,), True)
         reqs = []
         for p in prompts:
             for j in range(n):
@@ -362,6 +264,13 @@ class _Api:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _chunk(self, chunk_fn, i: int, m):
+        """chunk_fn(i, m), on the CPU pool when the message has many tokens to turn into strings (a long prompt's
+        logprobs); inline otherwise, so streams do not queue behind other requests' tokenization."""
+        if len(m.token_ids) + len(m.prompt_token_ids) > INLINE_TOKENS:
+            return await self.pool.run(chunk_fn, i, m)
+        return chunk_fn(i, m)
+
     async def _run(self, request, reqs, n: int, stream: bool, chunk_fn, final_fn, head: dict, include_usage: bool,
                    count_completion: bool = True):
         """Streams SSE chunks (`chunk_fn(i, m) -> dict | None`), or collects and returns `final_fn()`. The SSE
@@ -378,7 +287,7 @@ class _Api:
                 async for i, m in msgs:
                     usage["prompt"][i] = m.prompt_tokens
                     usage["completion"][i] = m.completion_tokens if count_completion else 0
-                    chunk = chunk_fn(i, m)
+                    chunk = await self._chunk(chunk_fn, i, m)
                     if not stream:
                         continue
                     if resp is None:
@@ -387,9 +296,12 @@ class _Api:
                         await resp.prepare(request)
                     for c in chunk or ():
                         await send(c)
-        except ApiError as e:
+        except Exception as e:
             if resp is None:
-                return e.response()
+                raise  # no byte sent yet: the error middleware answers it
+            if not isinstance(e, ApiError):
+                log.exception("unexpected error while streaming %s", request.path)
+                e = internal_error()
             await send(e.body())  # mid-stream: the error as an event, then the end marker
             await resp.write(b"data: [DONE]\n\n")
             return resp
@@ -409,49 +321,54 @@ class _Api:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     # -- /v1/completions
+    def _completion_request(self, body: dict) -> SimpleNamespace:
+        """Checks a completion body and builds its gRPC requests (on the CPU pool: prompts may be long id lists)."""
+        fields.unsupported(body, {"suffix": ("",), "logit_bias": ({},), "use_beam_search": (False,)})
+        if body.get("prompt_logprobs") is not None:  # vLLM's extra field; the OpenAI way is supported
+            raise bad("'prompt_logprobs' is not supported by this server: 'echo': true with 'logprobs': N "
+                      "returns the prompt tokens' logprobs", "prompt_logprobs")
+        if "prompt" not in body:
+            raise bad("'prompt' is required", "prompt")
+        prompts = fields.prompts(body["prompt"])
+        echo = fields.field(body, "echo", (bool,), False)
+        n = fields.integer(body, "n", 1, fields.MAX_N + 1, 1)
+        best_of = fields.field(body, "best_of", (int,), n)
+        if best_of != n:
+            raise bad("'best_of' other than n is not supported", "best_of")
+        logprobs = fields.integer(body, "logprobs", 0, fields.MAX_LOGPROBS + 1)
+        # max_tokens 0 only with echo (the prompt alone, as vLLM): one token is generated and dropped
+        max_tokens = fields.max_tokens(body, ("max_tokens",), least=0 if echo else 1)
+        echo_only = echo and max_tokens == 0
+        sampling = fields.sampling(body, 1 if echo_only else max_tokens, logprobs)
+        if echo and logprobs is not None:  # echo with logprobs: the prompt tokens' logprobs come first
+            sampling.prompt_logprobs = logprobs
+        return SimpleNamespace(
+            reqs=self._requests(body, prompts, sampling, n), n=n, echo_only=echo_only, logprobs=logprobs,
+            echo_texts=[self._prompt_text(p) for p in prompts] if echo else None,
+            stream=fields.field(body, "stream", (bool,), False), include_usage=self._include_usage(body))
+
+    @staticmethod
+    def _include_usage(body: dict) -> bool:
+        return bool((fields.field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+
     async def completions(self, request) -> web.StreamResponse:
-        try:
-            body = await self._body(request)
-            _unsupported(body, {"suffix": ("",), "logit_bias": ({},), "use_beam_search": (False,)})
-            if body.get("prompt_logprobs") is not None:  # vLLM's extra field; the OpenAI way is supported
-                raise bad("'prompt_logprobs' is not supported by this server: 'echo': true with 'logprobs': N "
-                          "returns the prompt tokens' logprobs", "prompt_logprobs")
-            if "prompt" not in body:
-                raise bad("'prompt' is required", "prompt")
-            prompts = _prompts(body["prompt"])
-            echo = _field(body, "echo", (bool,), False)
-            n = _field(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
-            best_of = _field(body, "best_of", (int,), n)
-            if best_of != n:
-                raise bad("'best_of' other than n is not supported", "best_of")
-            logprobs = _field(body, "logprobs", (int,), None, lambda v: 0 <= v <= MAX_LOGPROBS,
-                              f"must be in [0, {MAX_LOGPROBS}]")
-            # max_tokens 0 only with echo (the prompt alone, as vLLM): one token is generated and dropped
-            max_tokens = _max_tokens(body, ("max_tokens",), least=0 if echo else 1)
-            echo_only = echo and max_tokens == 0
-            sampling = _sampling(body, 1 if echo_only else max_tokens, logprobs)
-            if echo and logprobs is not None:  # echo with logprobs: the prompt tokens' logprobs come first
-                sampling.prompt_logprobs = logprobs
-            stream = _field(body, "stream", (bool,), False)
-            include_usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-            reqs = self._requests(body, prompts, sampling, n)
-        except ApiError as e:
-            return e.response()
+        c = await self.pool.run(self._completion_request, await self._body(request))
+        reqs, n, logprobs = c.reqs, c.n, c.logprobs
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         texts, reasons, lps, offsets = ([""] * len(reqs), [None] * len(reqs), [None] * len(reqs),
                                         [0] * len(reqs))
-        echoed = [not echo] * len(reqs)
+        echoed = [c.echo_texts is None] * len(reqs)
 
         def chunk(i, m):
             reason = finish_reason_name(m.finish_reason)
             text, ids, entries = m.text, list(m.token_ids), list(m.logprobs)
-            if echo_only:  # the generated token is not part of the answer; the prompt ends it by length
+            if c.echo_only:  # the generated token is not part of the answer; the prompt ends it by length
                 text, ids, entries = "", [], []
                 reason = reason if reason in (None, "abort") else "length"
             if not echoed[i]:  # echo: the first chunk of a choice starts with its prompt (and its logprobs)
                 echoed[i] = True
-                text = self._prompt_text(prompts[i // n]) + text
+                text = c.echo_texts[i // n] + text
                 # the prompt ids come with the prompt logprobs (None for the first token), when asked for
                 prompt_ids = list(m.prompt_token_ids)
                 ids, entries = prompt_ids + ids, [None, *m.prompt_logprobs][:len(prompt_ids)] + entries
@@ -472,8 +389,8 @@ class _Api:
                 {"index": i, "text": texts[i], "logprobs": lps[i], "finish_reason": reasons[i], "stop_reason": None}
                 for i in range(len(reqs))])
 
-        return await self._run(request, reqs, n, stream, chunk, final, head, include_usage,
-                               count_completion=not echo_only)
+        return await self._run(request, reqs, n, c.stream, chunk, final, head, c.include_usage,
+                               count_completion=not c.echo_only)
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         """The echoed prompt: as sent, or token ids decoded (special tokens kept, as vLLM echoes them)."""
@@ -504,46 +421,48 @@ class _Api:
             elif not isinstance(content, str):
                 raise bad("message 'content' must be a string or a list of text parts", "messages")
             clean.append(dict(m, content=content))
-        kwargs = _field(body, "chat_template_kwargs", (dict,), {})
+        kwargs = fields.field(body, "chat_template_kwargs", (dict,), {})
         try:
             text = self.tok.apply_chat_template(
-                clean, add_generation_prompt=_field(body, "add_generation_prompt", (bool,), True), tokenize=False,
-                **kwargs)
+                clean, add_generation_prompt=fields.field(body, "add_generation_prompt", (bool,), True),
+                tokenize=False, **kwargs)
         except Exception as e:  # a template that rejects the conversation (jinja raises its own errors)
             raise bad(f"the chat template failed: {e}", "messages") from None
         return self.tok.encode(text, add_special_tokens=False)
 
+    def _chat_request(self, body: dict) -> SimpleNamespace:
+        """Checks a chat body, templates and tokenizes it (on the CPU pool: this is the slow part of a long chat)."""
+        fields.unsupported(body, {"tools": ([],), "tool_choice": ("none",), "logit_bias": ({},),
+                                  "response_format": ({"type": "text"},), "use_beam_search": (False,)})
+        ids = self._chat_prompt(body)
+        if len(ids) > self.max_model_len:
+            raise bad(f"the prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})", "messages")
+        # vLLM's chat echo: the answer starts with the last message when that is the assistant's (continuing it)
+        last = body["messages"][-1]
+        echo = fields.field(body, "echo", (bool,), False) and last["role"] == "assistant"
+        content = (last.get("content") or "") if echo else ""
+        n = fields.integer(body, "n", 1, fields.MAX_N + 1, 1)
+        want_lp = fields.field(body, "logprobs", (bool,), False)
+        top_n = fields.integer(body, "top_logprobs", 0, fields.MAX_LOGPROBS + 1, 0)
+        if top_n and not want_lp:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        max_tokens = fields.max_tokens(body, ("max_completion_tokens", "max_tokens"))
+        sampling = fields.sampling(body, max_tokens, top_n if want_lp else None)
+        return SimpleNamespace(
+            prompt_len=len(ids), reqs=self._requests(body, [ids], sampling, n), n=n, want_lp=want_lp, top_n=top_n,
+            echo_text="\n".join(p["text"] for p in content) if isinstance(content, list) else content,
+            stream=fields.field(body, "stream", (bool,), False), include_usage=self._include_usage(body))
+
     async def chat(self, request) -> web.StreamResponse:
-        try:
-            body = await self._body(request)
-            _unsupported(body, {"tools": ([],), "tool_choice": ("none",), "logit_bias": ({},),
-                                "response_format": ({"type": "text"},), "use_beam_search": (False,)})
-            ids = self._chat_prompt(body)
-            # vLLM's chat echo: the answer starts with the last message when that is the assistant's (continuing it)
-            last = body["messages"][-1]
-            echo = _field(body, "echo", (bool,), False) and last["role"] == "assistant"
-            content = (last.get("content") or "") if echo else ""
-            echo_text = "\n".join(p["text"] for p in content) if isinstance(content, list) else content
-            n = _field(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
-            want_lp = _field(body, "logprobs", (bool,), False)
-            top_n = _field(body, "top_logprobs", (int,), 0, lambda v: 0 <= v <= MAX_LOGPROBS,
-                           f"must be in [0, {MAX_LOGPROBS}]")
-            if top_n and not want_lp:
-                raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-            max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
-            if max_tokens is None:  # as vLLM: whatever room the context leaves
-                max_tokens = self.max_model_len - len(ids) - await self._speculative_tokens()
-                if max_tokens < 1:
-                    raise bad(f"the prompt ({len(ids)} tokens) leaves no room within max_model_len "
-                              f"({self.max_model_len})", "messages")
-            sampling = _sampling(body, max_tokens, top_n if want_lp else None)
-            stream = _field(body, "stream", (bool,), False)
-            include_usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-            reqs = self._requests(body, [ids], sampling, n)
-        except ApiError as e:
-            return e.response()
-        except grpc.aio.AioRpcError as e:
-            return from_grpc(e).response()
+        c = await self.pool.run(self._chat_request, await self._body(request))
+        n, top_n, echo_text = c.n, c.top_n, c.echo_text
+        if not c.reqs[0].sampling.HasField("max_tokens"):  # as vLLM: whatever room the context leaves
+            max_tokens = self.max_model_len - c.prompt_len - await self._speculative_tokens()
+            if max_tokens < 1:
+                raise bad(f"the prompt ({c.prompt_len} tokens) leaves no room within max_model_len "
+                          f"({self.max_model_len})", "messages")
+            for r in c.reqs:
+                r.sampling.max_tokens = max_tokens
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         texts, reasons, lps, started = [echo_text] * n, [None] * n, [None] * n, [False] * n
@@ -558,7 +477,7 @@ class _Api:
                     out.append(dict(head, choices=[{"index": i, "delta": {"content": echo_text}, "logprobs": None,
                                                     "finish_reason": None}]))
             reason = finish_reason_name(m.finish_reason)
-            lp = self._chat_logprobs(m, top_n) if want_lp else None
+            lp = self._chat_logprobs(m, top_n) if c.want_lp else None
             if lp is not None:
                 lps[i] = lps[i] or {"content": []}
                 lps[i]["content"] += lp["content"]
@@ -574,7 +493,7 @@ class _Api:
                 {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lps[i],
                  "finish_reason": reasons[i]} for i in range(n)])
 
-        return await self._run(request, reqs, n, stream, chunk, final, head, include_usage)
+        return await self._run(request, c.reqs, n, c.stream, chunk, final, head, c.include_usage)
 
 
 class HttpServer:
@@ -593,10 +512,7 @@ class HttpServer:
             raise self._error
 
     async def _start(self) -> None:
-        app = web.Application(client_max_size=self.api.max_body_bytes, middlewares=[self.api.authenticate])
-        app.add_routes(self.api.routes())
-        app.on_startup.append(self.api.on_startup)
-        app.on_cleanup.append(self.api.on_cleanup)
+        app = self.api.app()
         # handler_cancellation: a client that goes away cancels its handler, and so its gRPC calls
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -631,7 +547,9 @@ class HttpServer:
 def start_http_server(grpc_address: str, host: str, port: int, model_name: str, tokenizer,
                       max_model_len: int, request_timeout: float = REQUEST_TIMEOUT,
                       api_key: str | None = None, tls: Tls | None = None,
-                      max_body_bytes: int = 64 * 1024 * 1024) -> HttpServer:
-    """Serves OpenAI's API on host:port (0: any free port) in front of the router at `grpc_address`."""
+                      max_body_bytes: int = 64 * 1024 * 1024, metrics_registry: CollectorRegistry | None = None,
+                      cors: Cors | None = None, pool: CpuPool | None = None) -> HttpServer:
+    """Serves OpenAI's API on host:port (0: any free port) in front of the router at `grpc_address`; with
+    `metrics_registry`, also that registry at /metrics."""
     return HttpServer(_Api(grpc_address, model_name, tokenizer, max_model_len, request_timeout, api_key, tls,
-                           max_body_bytes), host, port)
+                           max_body_bytes, metrics_registry, cors, pool), host, port)

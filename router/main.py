@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from router.auth import ApiKeyInterceptor, load_api_key
+from router.cors import Cors, add_cors_args
 from router.server import Router
 from router.workers import WorkerPool
 from tandem.rpc import router_pb2, router_pb2_grpc
@@ -49,6 +50,7 @@ def add_args(ap) -> None:
                     help="when a decode worker dies mid-stream, continue its requests on another one (re-prefilling "
                     "prompt + generated tokens; exact for greedy sampling without penalties)")
     add_tls_args(ap)
+    add_cors_args(ap)
 
 
 def main(args) -> int:
@@ -81,7 +83,8 @@ def main(args) -> int:
 
         http = start_http_server(f"127.0.0.1:{port}", args.host, args.http_port, model_name, tokenizer,
                                  args.max_model_len, api_key=api_key, tls=tls,
-                                 max_body_bytes=args.max_request_bytes)
+                                 max_body_bytes=args.max_request_bytes, metrics_registry=metrics.registry,
+                                 cors=Cors.from_args(args))
     announce("router", grpc=f"{advertise_host(args)}:{port}", metrics=metrics_address,
              http=f"{advertise_host(args)}:{http.port}" if http else None)
     serve_until_signalled(server, router, args.drain_timeout)

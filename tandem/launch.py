@@ -121,6 +121,8 @@ def _restart(child: "Child", ann: dict) -> "Child":
 
 
 def serve(args) -> int:
+    from router.cors import cors_argv
+
     if args.decode_workers < 1 or args.prefill_workers < 0:
         print("error: --decode-workers must be at least 1 and --prefill-workers at least 0", file=sys.stderr)
         return 2
@@ -172,6 +174,7 @@ def serve(args) -> int:
                                   *(["--poll-seconds", str(args.poll_seconds)] if args.poll_seconds else []),
                                   *(["--metrics-port", str(args.metrics_port)] if args.metrics else []),
                                   *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
+                                  *cors_argv(args),
                                   # no prefill workers: the router is colocated
                                   *(["--prefill-workers", ",".join(addresses["prefill"])] if not colocated else []),
                                   "--decode-workers", ",".join(addresses["decode"])])
@@ -236,6 +239,7 @@ def _stop_all(children: list[Child], drain_timeout: float) -> None:
 
 
 def add_args(ap) -> None:
+    from router.cors import add_cors_args
     from tandem.transfer.base import BACKENDS
     from tandem.worker_setup import add_engine_args
 
@@ -254,6 +258,7 @@ def add_args(ap) -> None:
                     "ports; all are printed)")
     ap.add_argument("--no-metrics", dest="metrics", action="store_false", help="serve no /metrics")
     ap.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP port")
+    add_cors_args(ap)
     ap.add_argument("--log-level", default="WARNING")
     ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers; FAULT@i: "
                     "prefill worker i only)")

@@ -6,6 +6,8 @@ small byte-level BPE tokenizer (vocab 512) with a ChatML template, so the text a
 
 import json
 import os
+import threading
+import time
 from types import SimpleNamespace
 
 import openai
@@ -23,6 +25,7 @@ from test_detokenizer import byte_level_tokenizer
 ENGINE = ["--dtype", "float32", "--num-speculative-tokens", "2", "--block-size", "4", "--max-model-len", "256",
           "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
 MAX_MODEL_LEN = 256
+ORIGIN = "http://app.example"
 
 
 def make_text_model_dir(path) -> str:
@@ -42,7 +45,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    cluster = Cluster("--model", model_dir, "--served-model-name", "text-model", *ENGINE)  # the router's own HTTP endpoint (tandem serve --http-port)
+    # the router's own HTTP endpoint (tandem serve --http-port), with CORS for one origin
+    cluster = Cluster("--model", model_dir, "--served-model-name", "text-model", "--allowed-origins",
+                      f'["{ORIGIN}"]', *ENGINE)
     tok = load_tokenizer(model_dir)
     try:
         yield cluster, SimpleNamespace(port=int(cluster.http.rsplit(":", 1)[1])), tok
@@ -199,3 +204,155 @@ def test_disconnect_cancels(server, url):
         assert next(line for line in lines if line).startswith(b"data: {")
     # the client is gone after one chunk: the request must be aborted everywhere, nothing left allocated
     assert_idle(cluster)
+
+
+def assert_openai_error(r, status: int, param=None) -> dict:
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    assert r.headers["Content-Type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str) and err["message"]
+    assert err["param"] == param, err
+    return err
+
+
+SURROGATE = "\\ud800"  # JSON's escape of a lone surrogate: decodes to a str that protobuf and tokenizers refuse
+BAD_BODIES = [  # (path, raw JSON body, the param named in the 400)
+    ("/v1/completions", f'{{"prompt": "a{SURROGATE}b", "max_tokens": 2}}', "prompt"),
+    ("/v1/completions", f'{{"prompt": ["ok", "{SURROGATE}"], "max_tokens": 2}}', "prompt"),
+    ("/v1/completions", f'{{"prompt": [5], "stop": ["x{SURROGATE}"], "max_tokens": 2}}', "stop"),
+    ("/v1/completions", f'{{"prompt": [5], "stop": "{SURROGATE}"}}', "stop"),
+    ("/v1/completions", f'{{"prompt": [5], "user": "{SURROGATE}"}}', "user"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "{SURROGATE}"}}]}}', "messages"),
+    ("/v1/chat/completions",
+     f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": "{SURROGATE}"}}]}}]}}', "messages"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "u{SURROGATE}", "content": "hi"}}]}}', "messages"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "hi", "name": "{SURROGATE}"}}]}}',
+     "messages"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "hi"}}], "stop": ["{SURROGATE}"]}}', "stop"),
+    ("/tokenize", f'{{"prompt": "{SURROGATE}"}}', "prompt"),
+    ("/tokenize", f'{{"messages": [{{"role": "user", "content": "{SURROGATE}"}}]}}', "messages"),
+    # integers past the proto field's type (uint32, int64)
+    ("/v1/completions", '{"prompt": [5], "top_k": 4294967296}', "top_k"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_k": 4294967296}', "top_k"),
+    ("/v1/completions", '{"prompt": [5, 4294967296]}', "prompt"),
+    ("/v1/completions", '{"prompt": [[5], [4294967296]]}', "prompt"),
+    ("/v1/completions", '{"prompt": [5], "stop_token_ids": [4294967296]}', "stop_token_ids"),
+    ("/v1/completions", '{"prompt": [5], "seed": 9223372036854775808}', "seed"),
+    ("/v1/completions", '{"prompt": [5], "max_tokens": 4294967296}', "max_tokens"),
+    ("/v1/completions", '{"prompt": [5], "min_tokens": 4294967296}', "min_tokens"),
+    ("/v1/completions", '{"prompt": [5], "n": 4294967296}', "n"),
+    ("/v1/completions", '{"prompt": [5], "logprobs": 4294967296}', "logprobs"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4294967296}',
+     "max_completion_tokens"),
+    ("/v1/completions", '{"prompt": [5], "repetition_penalty": 1' + "0" * 400 + "}", "repetition_penalty"),
+    ("/v1/completions", '{"prompt": [5], "temperature": NaN}', "temperature"),
+    # nesting: past the parser's recursion limit, and past the endpoint's own bound
+    ("/v1/completions", '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+    ("/v1/completions", '{"prompt": [5], "user": ' + "[" * 100 + "]" * 100 + "}", "user"),
+    ("/v1/chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD_BODIES, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(BAD_BODIES)])
+def test_bad_input_is_a_400_naming_the_field(url, path, body, param):
+    r = requests.post(url + path, data=body.encode(), headers={"Content-Type": "application/json"}, timeout=30)
+    assert_openai_error(r, 400, param)
+
+
+def test_valid_unicode_passes(url, server):
+    _, _, tok = server
+    text = "héllo wörld, 你好 😀"  # non-ASCII, astral plane: valid, so not refused by the surrogate check
+    r = requests.post(url + "/tokenize", json={"prompt": text}, timeout=10)
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode(text)
+    r = requests.post(url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": text}], "max_tokens": 2, "stop": ["😀"]})
+    assert r.status_code == 200, r.text
+
+
+def test_prompt_over_max_model_len_is_a_400_naming_the_numbers(url, server):
+    _, _, tok = server
+    text = "the quick brown fox " * 100
+    messages = [{"role": "user", "content": text}]
+    chat_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False)
+    for path, body, n, param in (
+            ("/v1/chat/completions", {"messages": messages, "max_tokens": 1}, len(chat_ids), "messages"),
+            ("/v1/completions", {"prompt": text, "max_tokens": 1}, len(tok.encode(text)), None)):
+        assert n > MAX_MODEL_LEN
+        err = assert_openai_error(requests.post(url + path, json=body, timeout=30), 400, param)
+        assert str(MAX_MODEL_LEN) in err["message"] and str(n) in err["message"], err
+
+
+def test_server_errors_are_openai_json(url, server):
+    assert_openai_error(requests.get(url + "/v1/nothing", timeout=10), 404)
+    assert_openai_error(requests.post(url + "/nothing", json={}, timeout=10), 404)
+    r = requests.put(url + "/v1/completions", json={}, timeout=10)
+    assert_openai_error(r, 405)
+    assert r.headers["Allow"] == "POST"
+    cluster = server[0]
+    small = start_http_server(cluster.address, "127.0.0.1", 0, "text-model", None, MAX_MODEL_LEN, max_body_bytes=1000)
+    try:
+        r = requests.post(f"http://127.0.0.1:{small.port}/v1/completions", json={"prompt": [5] * 1000}, timeout=10)
+        assert_openai_error(r, 413)
+    finally:
+        small.stop()
+
+
+def test_metrics_on_the_http_port(url, server):
+    """The router's own registry, the same families as on its --metrics-port."""
+    cluster = server[0]
+    r = requests.get(url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
+    families = lambda text: {ln.split()[2] for ln in text.splitlines() if ln.startswith("# TYPE")}  # noqa: E731
+    router_port = requests.get(f"http://{cluster.metrics[0]}/metrics", timeout=10).text
+    assert families(r.text) == families(router_port) and "tandem:num_requests_waiting" in families(r.text)
+    assert 'worker="router"' in r.text
+
+
+def test_cors(url):
+    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "Authorization, Content-Type"}
+    r = requests.options(url + "/v1/chat/completions", headers=pre, timeout=10)
+    assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == ORIGIN
+    assert "POST" in r.headers["Access-Control-Allow-Methods"]
+    assert {h.strip().lower() for h in r.headers["Access-Control-Allow-Headers"].split(",")} >= {"authorization",
+                                                                                                  "content-type"}
+    r = requests.options(url + "/v1/chat/completions", headers=dict(pre, Origin="http://evil.example"), timeout=10)
+    assert r.status_code >= 400 and "Access-Control-Allow-Origin" not in r.headers
+    r = requests.get(url + "/v1/models", headers={"Origin": ORIGIN}, timeout=10)
+    assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == ORIGIN
+    r = requests.post(url + "/v1/completions", json={"prompt": 5}, headers={"Origin": ORIGIN}, timeout=10)
+    assert r.status_code == 400 and r.headers["Access-Control-Allow-Origin"] == ORIGIN  # errors too
+    with requests.post(url + "/v1/completions", json={"prompt": [5], "max_tokens": 2, "stream": True},
+                       headers={"Origin": ORIGIN}, stream=True, timeout=30) as r:
+        assert r.headers["Access-Control-Allow-Origin"] == ORIGIN and b"[DONE]" in r.content  # event streams too
+    r = requests.get(url + "/v1/models", headers={"Origin": "http://evil.example"}, timeout=10)
+    assert "Access-Control-Allow-Origin" not in r.headers
+    assert "Access-Control-Allow-Origin" not in requests.get(url + "/v1/models", timeout=10).headers
+
+
+def test_health_stays_quick_while_a_large_chat_is_tokenized(url):
+    """A multi-megabyte chat body is templated and tokenized off the event loop: /health answers meanwhile."""
+    content = "the quick brown fox jumps over the lazy dog, " * 80_000  # 3.6 MB, seconds of tokenization here
+    body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 1}).encode()
+    done = {}
+
+    def big():
+        t0 = time.monotonic()
+        done["r"] = requests.post(url + "/v1/chat/completions", data=body, timeout=120,
+                                  headers={"Content-Type": "application/json"})
+        done["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=big)
+    t.start()
+    latencies = []
+    while t.is_alive() and len(latencies) < 1000:
+        t0 = time.monotonic()
+        assert requests.get(url + "/health", timeout=30).status_code == 200
+        latencies.append(time.monotonic() - t0)
+        time.sleep(0.05)
+    t.join(120)
+    err = assert_openai_error(done["r"], 400, "messages")
+    assert "max_model_len" in err["message"]
+    assert done["s"] > 1.0 and len(latencies) >= 5, (done["s"], latencies)  # the probes overlapped the work
+    assert max(latencies) < 1.0, (max(latencies), done["s"])
