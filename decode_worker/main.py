@@ -19,7 +19,8 @@ def add_args(ap) -> None:
     add_server_args(ap, port=50062)
     ap.add_argument("--transfer-port", type=int, default=50063, help="hand-off listener port (0: any free port)")
     ap.add_argument("--lease-seconds", type=float, default=60.0,
-                    help="how long a lease waits for its hand-off or its colocated prefill (and then for its stream)")
+                    help="how long a lease lives without a renewal (the router renews it while the request waits "
+                    "for and undergoes its prefill), and then waits for its stream")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="send a request's tokens once this many have come (and when it ends), not after every "
                     "step: fewer messages a step for the worker's threads to send, burstier streams")

@@ -6,6 +6,9 @@ checked against the lease (token, request, model fingerprint, tensor shapes) bef
 the state is installed between two engine steps, so running requests never stall for a copy. `Decode` attaches
 to the request's output (tokens made before it attaches wait for it). A lease that is not used in time,
 or an installed request nobody attaches to, expires and frees everything, as does `Abort` or a dropped stream.
+While the request waits for its prefill (in a prefill worker's queue, or in this engine's when colocated) the router
+keeps its lease alive with `RenewLease`; a lease nobody renews (the router died) still expires. An expired lease
+ends its request with ABORTED (LEASE_GONE): not the client's fault, the router retries it with a new lease.
 
 Colocated serving (a router without prefill workers): the decode worker also serves the `PrefillWorker` service's
 `Prefill` for the leases it issued. The reserved request then joins this engine's batch and is prefilled here like
@@ -37,9 +40,8 @@ import torch
 from tandem.cache.handoff import expected_shapes
 from tandem.engine.loop import EngineLoop
 from tandem.engine.sequence import Sequence, Status
-from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
-from tandem.rpc.server import on_end, time_left, wait_result
+from tandem.rpc.server import on_end, wait_result
 from tandem.rpc.convert import (finish_reason_to_proto, load_of, logprobs_to_proto, prompt_logprobs_to_proto,
                                 sampling_from_proto)
 from tandem.transfer.base import TransferServer
@@ -47,6 +49,7 @@ from tandem.transfer.errors import TransferRejected
 from tandem.transfer.manifest import dtype_name, unpack
 
 log = logging.getLogger(__name__)
+LEASE_GONE = "the lease expired or was released"  # in a refusal: the request may be retried with a new lease
 
 
 @dataclass
@@ -152,7 +155,21 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         return worker_pb2.Lease(request_id=seq.request_id, lease_id=rec.lease_id, block_ids=seq.block_ids,
                                 state_slots=seq.state_slots, transfer_token=rec.token,
                                 transfer_address=self.transfer_address,
-                                expires_unix_ms=int((time.time() + self.lease_seconds) * 1000))
+                                expires_unix_ms=int((time.time() + self.lease_seconds) * 1000),
+                                ttl_ms=int(self.lease_seconds * 1000))
+
+    def RenewLease(self, request, context):
+        with self._lock:
+            rec = self._by_lease.get(request.lease_id)
+            if rec is not None and rec.seq.request_id == request.request_id:
+                rec.expires = max(rec.expires, time.monotonic() + self.lease_seconds)
+                left = rec.expires - time.monotonic()
+            else:
+                rec = None
+        if rec is None:
+            context.abort(grpc.StatusCode.ABORTED, f"{LEASE_GONE}: no open lease {request.lease_id!r} for "
+                          f"{request.request_id!r}")
+        return worker_pb2.RenewLeaseResponse(expires_unix_ms=int((time.time() + left) * 1000))
 
     def Decode(self, request, context):
         sink = _Sink()
@@ -224,14 +241,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             if rec.seq.status == Status.RESERVED:  # not aborted or expired meanwhile (its waiter is answered then)
                 engine.prefill_reserved(rec.seq)
 
-        try:  # a step may run long (a cold prefill compiles kernels): wait as long as the lease and the caller allow
-            self.loop.call(admit, timeout=time_left(context, self.lease_seconds))
-        except RuntimeError as e:  # the engine loop is stopped
-            self._abort(rec.seq.request_id)
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"this decode worker is stopping: {e}")
-        except TimeoutError:
-            self._abort(rec.seq.request_id)
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not take the request in time")
+        # queued behind other calls and steps as long as the lease lives (the router renews it) and the caller waits
+        self.loop.submit(admit).add_done_callback(lambda f: self._not_admitted(rec, f))
         out = wait_result(rec.first, context, "the prefill")
         if out.error is not None:
             context.abort(*out.error)
@@ -314,6 +325,12 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             except InvalidStateError:  # answered already (the first token, or an abort that came first)
                 pass
 
+    def _not_admitted(self, rec: LeaseRecord, admitted: Future) -> None:
+        """Colocated: the engine could not take the request (only a stopped loop fails the call)."""
+        if admitted.exception() is not None:
+            self._abort(rec.seq.request_id, (grpc.StatusCode.UNAVAILABLE,
+                                             f"this decode worker is stopping: {admitted.exception()}"))
+
     def _cancel_prefill(self, rec: LeaseRecord) -> None:
         """The Prefill RPC ended: if the request is still prefilling, nobody will get its first token."""
         with self._lock:
@@ -342,7 +359,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             log.warning("lease %s of %s expired at stage %s", rec.lease_id, rec.seq.request_id, rec.stage)
             if self.metrics is not None:
                 self.metrics.lease_expiries_total.inc()
-            self._abort(rec.seq.request_id, (grpc.StatusCode.DEADLINE_EXCEEDED, "decode lease expired"))
+            self._abort(rec.seq.request_id, (grpc.StatusCode.ABORTED, f"{LEASE_GONE}: the decode lease was not "
+                                             f"renewed within {self.lease_seconds:g} s"))
 
     def _gauge_leases(self) -> None:
         if self.metrics is not None:
@@ -384,7 +402,6 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         if outputs:
             self.loop.defer(self._deliver, outputs)
         if self.metrics is not None:
-            observe_engine(self.metrics, self.engine)
             self._record_speculation()
 
     def _prefilled(self, rec: LeaseRecord, seq: Sequence) -> None:
@@ -423,7 +440,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         with self._lock:
             rec = self._by_lease.get(manifest.lease_id)
             if rec is None:
-                raise TransferRejected(f"unknown or expired lease {manifest.lease_id!r}")
+                raise TransferRejected(f"{LEASE_GONE}: unknown lease {manifest.lease_id!r}")
             if not hmac.compare_digest(bytes.fromhex(manifest.transfer_token), rec.token):
                 raise TransferRejected("transfer token does not match the lease")
             if rec.stage != "reserved":
@@ -445,7 +462,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         with self._lock:
             rec = self._by_lease.get(manifest.lease_id)
         if rec is None:
-            raise TransferRejected("the request was aborted during the hand-off")
+            raise TransferRejected(f"{LEASE_GONE} during the hand-off")
         tensors = unpack(flat, manifest.specs)
         meta = manifest.meta
         rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng_state"])), dtype=torch.uint8) \
@@ -454,7 +471,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
 
         def install(engine):
             if rec.seq.status != Status.RESERVED:  # aborted meanwhile
-                raise TransferRejected("the request was aborted during the hand-off")
+                raise TransferRejected(f"{LEASE_GONE} during the hand-off")
             engine.install_prefilled(rec.seq, int(meta["first_token"]), first_lp, list(meta["drafts"]), tensors,
                                      rng)
             rec.stage, rec.emitted, rec.installed_at = "installed", 1, time.monotonic()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from prefill_worker.server import FAULTS, PrefillWorker
+from prefill_worker.server import DEFAULT_MAX_QUEUED_PROMPT_TOKENS, FAULTS, PrefillWorker
 from tandem.engine.llm import Engine
 from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import Server, Tls, add_tls_args
@@ -18,6 +18,9 @@ def add_args(ap) -> None:
     add_engine_args(ap)
     add_server_args(ap, port=50061)
     ap.add_argument("--transfer-backend", default="auto", choices=("auto", *BACKENDS))
+    ap.add_argument("--max-queued-prompt-tokens", type=int, default=DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+                    help="prompt tokens that may wait here (received, not yet prefilled); a prompt beyond is refused "
+                    "at once (RESOURCE_EXHAUSTED, HTTP 429), and the router tries another prefill worker")
     ap.add_argument("--inject-fault", default=None, choices=FAULTS, help="testing only")
     add_tls_args(ap)
 
@@ -34,7 +37,8 @@ def main(args) -> int:
     engine = Engine(cfg, model, ecfg, prefill_only=True)
     prepare_engine(engine)
     worker = PrefillWorker(engine, fingerprint(args), backend,
-                           args.inject_fault, metrics, ssl_context=tls.client_context() if tls else None).start()
+                           args.inject_fault, metrics, ssl_context=tls.client_context() if tls else None,
+                           max_queued_prompt_tokens=args.max_queued_prompt_tokens).start()
     server = Server(tls=tls)
     server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, worker,
                worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)

@@ -4,6 +4,11 @@ lease and answers with the first token.
 
 The engine thread only computes: a finished prefill's state is copied out and its blocks freed at once, and the
 RPC thread that asked for it packs and sends it, so transfers overlap the next prefills.
+
+The queue (prompts received and not yet prefilled, counted in tokens) is bounded by `max_queued_prompt_tokens`: a
+prompt that does not fit is refused at once with RESOURCE_EXHAUSTED, before any work (a prompt alone in an empty
+queue always fits, so none is unservable). A request's cancellation or deadline reaches it wherever it waits: its
+abort hook is in place before it is handed to the engine, and one that ended before its turn is never added.
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ from concurrent.futures import Future
 
 import grpc
 
+from decode_worker.server import LEASE_GONE
 from tandem.engine.llm import PrefilledRequest
 from tandem.engine.loop import EngineLoop
-from tandem.metrics import observe_engine
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import on_end, time_left, wait_result
 from tandem.rpc.convert import (finish_reason_to_proto, load_of, logprobs_to_proto, prompt_logprobs_to_proto,
@@ -32,17 +37,25 @@ log = logging.getLogger(__name__)
 # test hooks, off unless asked for on the command line. stall-handoff: the header is accepted, then no payload
 # comes until the hand-off's time is up (a hung link), so the lease on the decode worker expires
 FAULTS = ("corrupt-handoff", "stall-handoff")
+# Queued prompt tokens beyond which a prefill worker refuses new prompts. tandem-tiny prefills ~600 tokens/s on a
+# 2-core CPU (a 3500-token prompt in 4-6 s): 16384 tokens (four prompts of the default max_model_len) is a ~30 s
+# wait there, within the router's 60 s queue timeout; a GPU clears it in well under a second.
+DEFAULT_MAX_QUEUED_PROMPT_TOKENS = 16384
 
 
 class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine, fingerprint: str, transfer_backend: str, inject_fault: str | None = None,
-                 metrics=None, ssl_context=None):
+                 metrics=None, ssl_context=None, max_queued_prompt_tokens: int = DEFAULT_MAX_QUEUED_PROMPT_TOKENS):
+        if max_queued_prompt_tokens < 1:
+            raise ValueError(f"max_queued_prompt_tokens must be at least 1, got {max_queued_prompt_tokens}")
         self.engine, self.fingerprint, self.metrics = engine, fingerprint, metrics
+        self.max_queued_prompt_tokens = max_queued_prompt_tokens
         self.transfer_backend = transfer_backend
         self.client = TransferClient(transfer_backend, engine.ecfg.device, ssl_context)
         self.inject_fault = inject_fault
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
+        self._room: dict[str, int] = {}  # the prompt tokens each pending request counts in the queue
         self._queued_tokens = 0
         self.loop = EngineLoop(engine, self._after_step, self._on_error, metrics=metrics)
         self.draining = False
@@ -72,24 +85,44 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         with self._lock:
             if rid in self._pending:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already being prefilled")
-            self._pending[rid] = done
-            self._queued_tokens += len(prompt)
+            fits = self._fits(len(prompt))
+            if fits:
+                self._pending[rid], self._room[rid] = done, len(prompt)
+                self._queued_tokens += len(prompt)
+        if not fits:
+            self._refuse(context, len(prompt))
         try:
-            try:
-                self.loop.call(lambda e: e.add_request(rid, prompt, params), timeout=time_left(context))
-            except ValueError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             on_end(context, lambda: self._abort(rid))  # a cancelled or timed-out RPC frees the request
+
+            def add(engine):
+                if done.done():  # cancelled or past its deadline while it waited for this turn: never computed
+                    return
+                try:
+                    engine.add_request(rid, prompt, params)
+                except ValueError as e:
+                    done.set_result(e)
+
+            self.loop.submit(add).add_done_callback(lambda f: self._unqueued(rid, f))
             result = wait_result(done, context, "the prefill")
         finally:
             with self._lock:
                 self._pending.pop(rid, None)
-                self._queued_tokens -= len(prompt)
+                self._release_room(rid)
+        if isinstance(result, ValueError):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
         if isinstance(result, Exception):
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {result}")
         if not isinstance(result, PrefilledRequest):  # the first token ended it, or it was aborted: no hand-off
             return self._response(result, result.finish_reason)
         return self._hand_off(result, request.lease, context)
+
+    def Admit(self, request, context):
+        with self._lock:
+            fits, queued = self._fits(request.prompt_tokens), self._queued_tokens
+        if not fits:
+            self._refuse(context, request.prompt_tokens)
+        return worker_pb2.AdmitResponse(queued_prompt_tokens=queued,
+                                        max_queued_prompt_tokens=self.max_queued_prompt_tokens)
 
     def Abort(self, request, context):
         return worker_pb2.WorkerAbortResponse(found=self._abort(request.request_id))
@@ -101,14 +134,33 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         return load_of(self.engine, queued_prompt_tokens=self._queued_tokens)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
+    def _fits(self, prompt_tokens: int) -> bool:
+        """With the lock held: whether the queue takes a prompt this long now."""
+        return not self._queued_tokens or self._queued_tokens + prompt_tokens <= self.max_queued_prompt_tokens
+
+    def _release_room(self, rid: str) -> None:
+        """With the lock held: the request no longer counts in the queue (a no-op the second time)."""
+        self._queued_tokens -= self._room.pop(rid, 0)
+
+    def _refuse(self, context, prompt_tokens: int) -> None:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"the prefill queue is full ({self._queued_tokens} of {self.max_queued_prompt_tokens} prompt "
+                      f"tokens queued; this prompt has {prompt_tokens}); retry later")
+
     def _abort(self, rid: str) -> bool:
         with self._lock:
             found = rid in self._pending
+            self._release_room(rid)  # at once: the next prompt need not wait for this waiter to wake up
         if found:
             self.loop.submit(lambda e: e.abort(rid))
             # an aborted request never reaches _after_step: answer its waiter here
             self.loop.submit(lambda e: self._resolve(rid, _Aborted(rid)))
         return found
+
+    def _unqueued(self, rid: str, added: Future) -> None:
+        """The engine could not take the request (only a stopped loop fails the call): its waiter gets the error."""
+        if added.exception() is not None:
+            self._resolve(rid, RuntimeError(str(added.exception())))
 
     def _resolve(self, rid: str, result) -> None:
         with self._lock:
@@ -138,15 +190,16 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
                             total_bytes=flat.numel(), checksum=checksum(flat), meta=meta)
         if self.inject_fault == "corrupt-handoff":
             flat[flat.numel() // 2] ^= 0xFF
-        # past the lease's expiry the decode worker refuses the state anyway: a stalled send gives up then
-        until_expiry = lease.expires_unix_ms / 1000 - time.time() + 1.0 if lease.expires_unix_ms else 60.0
-        timeout = time_left(context, max(1.0, min(60.0, until_expiry)))
+        # the router renews the lease while this call lasts: a send still stalled after a lease's length gives up
+        timeout = time_left(context, max(1.0, min(60.0, lease.ttl_ms / 1000 + 1.0)) if lease.ttl_ms else 60.0)
         stall = _stall(timeout, context) if self.inject_fault == "stall-handoff" else None
         try:
             nbytes, seconds = self.client.send(lease.transfer_address, manifest, flat, timeout=timeout,
                                                before_payload=stall)
         except TransferRejected as e:
             self._count_failure("rejected")
+            if LEASE_GONE in str(e):  # not this request's fault: the router retries it with a new lease
+                context.abort(grpc.StatusCode.ABORTED, f"hand-off refused by the decode worker: {e}")
             code = grpc.StatusCode.DATA_LOSS if "checksum" in str(e) else grpc.StatusCode.FAILED_PRECONDITION
             context.abort(code, f"hand-off refused by the decode worker: {e}")
         except TransferError as e:
@@ -174,7 +227,6 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
                 self.metrics.prompt_tokens_total.inc(len(seq.prompt_token_ids))
                 self.metrics.request_queue_time_seconds.observe(seq.scheduled_time - seq.arrival_time)
                 self.metrics.request_prefill_time_seconds.observe(now - seq.scheduled_time)
-            observe_engine(self.metrics, self.engine)
 
     def _on_error(self, exc: Exception, active) -> None:
         with self._lock:

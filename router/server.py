@@ -1,11 +1,14 @@
 """The public gRPC service: validates and tokenizes, leases decode capacity, has a prefill worker compute the
 prompt and hand its state to that decode worker, then relays the decode stream.
 
-Order per request: Reserve on the decode worker with the most free capacity per request -> Prefill on the prefill
-worker with the fewest queued prompt tokens (the prefill worker pushes the state straight to the decode worker)
--> the first token goes to the client -> the decode stream follows. The client's deadline bounds every call
-below it; a request that ends any other way than finishing (client cancel or disconnect, deadline, Abort,
-an error) is aborted on both workers, so nothing stays allocated.
+Order per request: Admit on the prefill worker with the fewest queued prompt tokens whose queue has room for the
+prompt (when none has: RESOURCE_EXHAUSTED with a retry hint at once, before any capacity is held) -> Reserve on
+the decode worker with the most free capacity per request -> Prefill on the admitting prefill worker (it pushes the
+state straight to the decode worker), the lease renewed on the decode worker while the call is in flight, so no
+time spent queued can outlive it -> the first token goes to the client -> the decode stream follows. A lease that
+expired anyway (a renewal came late) is not the client's fault: the request starts over with a new one, a few
+times at most. The client's deadline bounds every call below it; a request that ends any other way than finishing
+(client cancel or disconnect, deadline, Abort, an error) is aborted on both workers, so nothing stays allocated.
 
 Colocated mode (no prefill workers: `prefill` is None): the same order, but Prefill goes to the decode worker that
 issued the lease (its PrefillWorker service on the same channel), which prefills the request in its own engine;
@@ -40,6 +43,7 @@ MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_REQUEST_ID = 256
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024  # bounds the detokenizer's per-message matching work
 RETRY_AFTER_MS = 1000  # the hint sent with RESOURCE_EXHAUSTED (trailing metadata `retry-after-ms`)
+LEASE_ATTEMPTS = 3  # leases one request may take when each expired before its prefill was handed over
 
 
 @dataclass
@@ -109,10 +113,10 @@ class Router(router_pb2_grpc.TandemServicer):
             return len(self._active)
 
     @staticmethod
-    def _exhausted(context, msg: str) -> None:
-        """RESOURCE_EXHAUSTED with a retry hint the HTTP side turns into `Retry-After`."""
+    def _exhausted(context, msg: str, code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED) -> None:
+        """RESOURCE_EXHAUSTED (or `code`) with a retry hint the HTTP side turns into `Retry-After`."""
         context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, msg)
+        context.abort(code, msg)
 
     def _pools(self) -> list[WorkerPool]:
         return [p for p in (self.prefill, self.decode) if p is not None]
@@ -334,23 +338,54 @@ class Router(router_pb2_grpc.TandemServicer):
                 self._abort_on([w], state.request_id)
 
     def _start(self, state: _Active, prompt, params, context):
-        """Reserve, then Prefill; when the prefill worker is unreachable or dies mid-prefill (UNAVAILABLE) the
-        lease is given back (its one-time token may already be spent on a half-sent hand-off) and the request
-        starts over with a fresh lease on another prefill worker (colocated: on another decode worker)."""
+        """Admit (disaggregated), Reserve, then Prefill. When the prefill worker is unreachable or dies mid-prefill
+        (UNAVAILABLE), or the lease expired before the hand-off (ABORTED), the lease is given back (its one-time
+        token may already be spent on a half-sent hand-off) and the request starts over with a fresh lease, on
+        another prefill worker (colocated: on another decode worker) after an UNAVAILABLE."""
         tried: set[str] = set()
-        attempts = max(2, len((self.prefill or self.decode).all()))
-        for attempt in range(attempts):
+        failures = {grpc.StatusCode.UNAVAILABLE: 0, grpc.StatusCode.ABORTED: 0}
+        limits = {grpc.StatusCode.UNAVAILABLE: max(2, len((self.prefill or self.decode).all())),
+                  grpc.StatusCode.ABORTED: LEASE_ATTEMPTS}
+        while True:
+            admitted = self._admit(prompt, context, tried) if self.prefill is not None else None
             lease = self._reserve(state, prompt, params, context)
             if state.aborted or state.closed:
                 return lease, None
             try:
-                return lease, self._prefill(state, prompt, params, lease, context, tried)
+                return lease, self._prefill(state, prompt, params, lease, context, admitted, tried)
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == attempts - 1 or not context.is_active():
+                if e.code() not in failures or not context.is_active() or state.aborted:
+                    raise
+                failures[e.code()] += 1
+                if failures[e.code()] == limits[e.code()]:
+                    if e.code() == grpc.StatusCode.ABORTED:  # the decode side was too slow to renew: overload
+                        self._exhausted(context, f"the request's decode lease expired {LEASE_ATTEMPTS} times before "
+                                        "its prefill was handed over; retry later", grpc.StatusCode.UNAVAILABLE)
                     raise
                 log.warning("prefill of %s failed (%s); retrying with a new lease", state.request_id, e.details())
                 self._release_decode(state)
-        raise AssertionError("unreachable")
+
+    def _admit(self, prompt, context, tried: set[str]) -> Worker:
+        """The best prefill worker (not tried yet for this request, while any is left) whose queue has room for the
+        prompt; RESOURCE_EXHAUSTED with a retry hint, before any decode capacity is leased, when none has."""
+        candidates = self.prefill.candidates()
+        candidates = [w for w in candidates if w.address not in tried] or candidates
+        req, full = worker_pb2.AdmitRequest(prompt_tokens=len(prompt)), 0
+        for w in candidates:
+            try:
+                w.stub.Admit(req, timeout=time_left(context, 10.0))
+                return w
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full += 1
+                elif e.code() == grpc.StatusCode.UNAVAILABLE:
+                    w.healthy = False  # gone: skip it until its next good poll
+                else:
+                    raise
+        if not full:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        self._exhausted(context, f"every prefill worker's queue is full (this prompt has {len(prompt)} tokens); "
+                        "retry later")
 
     def _reserve(self, state: _Active, prompt, params, context):
         """Leases capacity on the best decode worker; while all are full the request waits here (bounded by its
@@ -399,31 +434,29 @@ class Router(router_pb2_grpc.TandemServicer):
                 if self.metrics is not None:
                     self.metrics.num_requests_waiting.dec()
 
-    def _prefill(self, state: _Active, prompt, params, lease, context, tried: set[str]):
-        """On the best prefill worker not tried yet for this request (any, once all were tried); colocated, on
-        the decode worker that issued the lease."""
+    def _prefill(self, state: _Active, prompt, params, lease, context, admitted: Worker | None, tried: set[str]):
+        """On the prefill worker that admitted the request, or, when its queue filled meanwhile (requests admitted
+        together), on the next one with room; colocated, on the decode worker that issued the lease."""
         req = worker_pb2.PrefillRequest(request_id=state.request_id, prompt_token_ids=prompt,
                                         sampling=sampling_to_proto(params), lease=lease)
-        if self.prefill is None:
+        if admitted is None:
             w = state.decode  # state.prefill stays None: aborting on the decode worker covers its prefill too
             try:
-                return w.prefill_stub.Prefill(req, timeout=time_left(context))
+                return self._renewing(w.prefill_stub.Prefill, req, state, lease, context)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     w.healthy = False  # the decode worker is gone: skip it until its next good poll
                 raise
-        candidates = self.prefill.candidates()
-        if not candidates:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-        candidates = [w for w in candidates if w.address not in tried] or candidates
-        for w in candidates[:1]:
+        for w in [admitted, *(c for c in self.prefill.candidates() if c is not admitted and c.address not in tried)]:
             tried.add(w.address)
             state.prefill = w
             w.inflight_requests += 1
             w.inflight_prompt_tokens += len(prompt)
             try:
-                return w.stub.Prefill(req, timeout=time_left(context))
+                return self._renewing(w.stub.Prefill, req, state, lease, context)
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the lease is unused still: try the next one
+                    continue
                 if e.code() == grpc.StatusCode.UNAVAILABLE and "hand-off" not in (e.details() or ""):
                     w.healthy = False  # the prefill worker itself is gone (not its hand-off): skip it until polled
                 raise
@@ -431,7 +464,29 @@ class Router(router_pb2_grpc.TandemServicer):
                 w.inflight_requests -= 1
                 w.inflight_prompt_tokens -= len(prompt)
                 state.prefill = None
-        raise AssertionError("unreachable")
+        self._exhausted(context, f"every prefill worker's queue is full (this prompt has {len(prompt)} tokens); "
+                        "retry later")
+
+    @staticmethod
+    def _renewing(call, req, state: _Active, lease, context):
+        """`call(req)` (a Prefill), renewing the request's decode lease while the call is in flight: the time the
+        request waits in a prefill queue cannot outlive the lease, which still expires if this router dies."""
+        fut = call.future(req, timeout=time_left(context))
+        every = lease.ttl_ms / 3000 if lease.ttl_ms else None  # a third of the lease: two renewals may come late
+        renew = worker_pb2.RenewLeaseRequest(request_id=state.request_id, lease_id=lease.lease_id)
+        decode = state.decode
+        while True:
+            try:
+                return fut.result(timeout=every)
+            except grpc.FutureTimeoutError:
+                try:
+                    decode.stub.RenewLease(renew, timeout=max(every, 1.0))
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.ABORTED:  # gone already: the hand-off is refused, and retried
+                        every = None
+                    else:
+                        log.warning("renewing the lease of %s on %s failed: %s", state.request_id, decode.address,
+                                    e.code())
 
     # ---- ends -------------------------------------------------------------------------------------------------
     def _end(self, state: _Active) -> None:

@@ -156,6 +156,8 @@ def serve(args) -> int:
                         argv += ["--stream-interval", str(args.stream_interval)]
                 else:
                     argv += ["--transfer-backend", args.transfer_backend]
+                    if args.max_queued_prompt_tokens is not None:
+                        argv += ["--max-queued-prompt-tokens", str(args.max_queued_prompt_tokens)]
                     if _fault_for(args.inject_fault, i):
                         argv += ["--inject-fault", _fault_for(args.inject_fault, i)]
                 children.append(Child(f"{role}-{i}", argv))
@@ -263,6 +265,8 @@ def add_args(ap) -> None:
     ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers; FAULT@i: "
                     "prefill worker i only)")
     ap.add_argument("--lease-seconds", type=float, default=None, help="the decode workers' --lease-seconds")
+    ap.add_argument("--max-queued-prompt-tokens", type=int, default=None,
+                    help="the prefill workers' --max-queued-prompt-tokens")
     ap.add_argument("--stream-interval", type=int, default=None, help="the decode workers' --stream-interval")
     ap.add_argument("--restart-workers", action="store_true",
                     help="restart a worker that dies, on the same ports (default: a dead child stops everything)")

@@ -237,7 +237,7 @@ class Metrics:
 
 
 def observe_engine(m: Metrics, engine) -> None:
-    """The gauges a worker reads off its engine after each step."""
+    """The gauges a worker reads off its engine (its loop calls this after each step and each batch of calls)."""
     sched, pools = engine.scheduler, engine.pools
     m.num_requests_running.set(len(sched.running))
     m.num_requests_waiting.set(len(sched.waiting))

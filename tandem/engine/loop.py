@@ -5,7 +5,8 @@ then `after_step(active, finished)` where `active` are the requests that were ru
 failing step is reported through `on_error(exc, active)` so that the requests in it end with an error instead
 of hanging, and the loop goes on. With `metrics`, each step's duration goes to `engine_step_seconds` by its kind
 (`Engine.last_step`), and its prompt tokens to `engine_step_prompt_tokens_total`: summed over a run, how busy
-the engine was, and what a prompt token cost in mixed and prefill steps.
+the engine was, and what a prompt token cost in mixed and prefill steps. The engine's gauges (requests, cache use)
+are read after every step and after every batch of calls, so an abort that empties the engine shows at once.
 
 `defer(fn, *args)` (from `after_step`) holds back what wakes other threads -- handing a step's tokens to the
 streams that send them -- until the next step has put its whole forward on the device (`Engine.on_launch`), or
@@ -29,6 +30,8 @@ from collections import deque
 from concurrent.futures import Future
 
 import torch
+
+from tandem.metrics import observe_engine
 
 log = logging.getLogger(__name__)
 SLOW_STEP_SECONDS = 1.0  # a step this long is logged: the running requests all stalled for it
@@ -80,12 +83,18 @@ class EngineLoop:
         for fn, args in items:
             fn(*args)
 
+    def _observe(self) -> None:
+        if self.metrics is not None:
+            observe_engine(self.metrics, self.engine)
+
     def _run_calls(self) -> None:
+        ran = False
         while True:
             with self._cond:
                 if not self._calls:
-                    return
+                    break
                 fut, fn = self._calls.popleft()
+            ran = True
             self._flush()  # a call (an abort, say) acts after the outputs that came before it
             if not fut.set_running_or_notify_cancel():
                 continue
@@ -93,6 +102,8 @@ class EngineLoop:
                 fut.set_result(fn(self.engine))
             except BaseException as e:  # handed back to the caller
                 fut.set_exception(e)
+        if ran:  # a call may have added, reserved or aborted requests
+            self._observe()
 
     def _run(self) -> None:
         _name_os_thread(self._thread.name)
@@ -139,6 +150,7 @@ class EngineLoop:
                     break
                 continue
             self._after_step(active, finished)
+            self._observe()
         self._flush()
         # fail what is still queued so no caller waits forever
         with self._cond:

@@ -18,7 +18,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("request_id", "lease_id", "block_ids", "state_slots", "transfer_token", "transfer_address", "expires_unix_ms")
+    __slots__ = ("request_id", "lease_id", "block_ids", "state_slots", "transfer_token", "transfer_address", "expires_unix_ms", "ttl_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class Lease(_message.Message):
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -33,7 +34,36 @@ class Lease(_message.Message):
     transfer_token: bytes
     transfer_address: str
     expires_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., state_slots: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[bytes] = ..., transfer_address: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+    ttl_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., state_slots: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[bytes] = ..., transfer_address: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("request_id", "lease_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("expires_unix_ms",)
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    expires_unix_ms: int
+    def __init__(self, expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("prompt_tokens",)
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class AdmitResponse(_message.Message):
+    __slots__ = ("queued_prompt_tokens", "max_queued_prompt_tokens")
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    queued_prompt_tokens: int
+    max_queued_prompt_tokens: int
+    def __init__(self, queued_prompt_tokens: _Optional[int] = ..., max_queued_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease")

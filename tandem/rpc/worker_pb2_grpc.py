@@ -31,6 +31,10 @@ class PrefillWorkerStub:
     layer over the prompt, pushes the hand-off to the decode worker named in the lease, returns the first token.
     Decode workers serve it too, for the leases they issued (colocated serving): the request is prefilled in the
     decode worker's own engine, no hand-off (handoff_bytes 0); the tokens after the first follow through Decode.
+
+    A prefill worker's queue is bounded in prompt tokens (--max-queued-prompt-tokens): Prefill (and Admit, which the
+    router asks before it leases decode capacity) answer RESOURCE_EXHAUSTED when the prompt does not fit now. A hand-off
+    refused because the lease expired or was released answers ABORTED: the request may be retried with a new lease.
     """
 
     def __init__(self, channel):
@@ -43,6 +47,11 @@ class PrefillWorkerStub:
                 '/tandem.v1.PrefillWorker/Prefill',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/tandem.v1.PrefillWorker/Admit',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.AdmitResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.PrefillWorker/Abort',
@@ -61,9 +70,19 @@ class PrefillWorkerServicer:
     layer over the prompt, pushes the hand-off to the decode worker named in the lease, returns the first token.
     Decode workers serve it too, for the leases they issued (colocated serving): the request is prefilled in the
     decode worker's own engine, no hand-off (handoff_bytes 0); the tokens after the first follow through Decode.
+
+    A prefill worker's queue is bounded in prompt tokens (--max-queued-prompt-tokens): Prefill (and Admit, which the
+    router asks before it leases decode capacity) answer RESOURCE_EXHAUSTED when the prompt does not fit now. A hand-off
+    refused because the lease expired or was released answers ABORTED: the request may be retried with a new lease.
     """
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Admit(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,6 +108,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.AdmitRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.AdmitResponse.SerializeToString,
+            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.WorkerAbortRequest.FromString,
@@ -112,6 +136,10 @@ class PrefillWorker:
     layer over the prompt, pushes the hand-off to the decode worker named in the lease, returns the first token.
     Decode workers serve it too, for the leases they issued (colocated serving): the request is prefilled in the
     decode worker's own engine, no hand-off (handoff_bytes 0); the tokens after the first follow through Decode.
+
+    A prefill worker's queue is bounded in prompt tokens (--max-queued-prompt-tokens): Prefill (and Admit, which the
+    router asks before it leases decode capacity) answer RESOURCE_EXHAUSTED when the prompt does not fit now. A hand-off
+    refused because the lease expired or was released answers ABORTED: the request may be retried with a new lease.
     """
 
     @staticmethod
@@ -131,6 +159,33 @@ class PrefillWorker:
             '/tandem.v1.PrefillWorker/Prefill',
             tandem_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.PrefillWorker/Admit',
+            tandem_dot_v1_dot_worker__pb2.AdmitRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.AdmitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -202,6 +257,8 @@ class DecodeWorkerStub:
     Attach does the same for many requests over one stream (the router keeps one per decode worker): each
     DecodeRequest sent on it attaches one request, and each message back holds what one engine step gave the requests
     attached through it (one message a step, not one per request). Ending the stream aborts its unfinished requests.
+    RenewLease keeps a lease alive while its request waits for or undergoes its prefill (the router calls it while its
+    Prefill call is in flight): a lease nobody renews expires `ttl_ms` after its last renewal.
     """
 
     def __init__(self, channel):
@@ -214,6 +271,11 @@ class DecodeWorkerStub:
                 '/tandem.v1.DecodeWorker/Reserve',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.Lease.FromString,
+                _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/RenewLease',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.RenewLeaseResponse.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/tandem.v1.DecodeWorker/Decode',
@@ -243,9 +305,17 @@ class DecodeWorkerServicer:
     Attach does the same for many requests over one stream (the router keeps one per decode worker): each
     DecodeRequest sent on it attaches one request, and each message back holds what one engine step gave the requests
     attached through it (one message a step, not one per request). Ending the stream aborts its unfinished requests.
+    RenewLease keeps a lease alive while its request waits for or undergoes its prefill (the router calls it while its
+    Prefill call is in flight): a lease nobody renews expires `ttl_ms` after its last renewal.
     """
 
     def Reserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLease(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -283,6 +353,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.Lease.SerializeToString,
             ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.RenewLeaseResponse.SerializeToString,
+            ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
@@ -317,6 +392,8 @@ class DecodeWorker:
     Attach does the same for many requests over one stream (the router keeps one per decode worker): each
     DecodeRequest sent on it attaches one request, and each message back holds what one engine step gave the requests
     attached through it (one message a step, not one per request). Ending the stream aborts its unfinished requests.
+    RenewLease keeps a lease alive while its request waits for or undergoes its prefill (the router calls it while its
+    Prefill call is in flight): a lease nobody renews expires `ttl_ms` after its last renewal.
     """
 
     @staticmethod
@@ -336,6 +413,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/Reserve',
             tandem_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/RenewLease',
+            tandem_dot_v1_dot_worker__pb2.RenewLeaseRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
