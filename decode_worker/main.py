@@ -8,10 +8,11 @@ import logging
 from decode_worker.server import DecodeWorker
 from tandem.engine.llm import Engine
 from tandem.rpc import worker_pb2, worker_pb2_grpc
+from tandem.rpc.auth import internal_auth
 from tandem.rpc.server import Server, Tls, add_tls_args
 from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, build_worker_model,
-                                 engine_config, fingerprint, prepare_engine, serve_until_signalled, start_metrics,
-                                 stop_worker_model)
+                                 engine_config, fingerprint, internal_token, prepare_engine, require_free_ports,
+                                 serve_until_signalled, start_metrics, stop_worker_model)
 
 
 def add_args(ap) -> None:
@@ -29,6 +30,8 @@ def add_args(ap) -> None:
 
 def main(args) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s decode %(levelname)s %(message)s")
+    require_free_ports(args.host, {"gRPC": args.port, "metrics": args.metrics_port, "hand-off": args.transfer_port})
+    token = internal_token(args, "decode")
     ecfg = engine_config(args)
     cfg, model, _ = build_worker_model(args, ecfg)
     metrics, metrics_address = start_metrics(args, "decode")
@@ -39,7 +42,7 @@ def main(args) -> int:
                           advertise_host(args), lease_seconds=args.lease_seconds, metrics=metrics,
                           stream_interval=args.stream_interval,
                           ssl_context=tls.server_context() if tls else None).start()
-    server = Server(tls=tls)
+    server = Server(tls=tls, interceptors=[internal_auth(token)] if token else [])
     server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, worker,
                worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
     server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, worker,  # colocated: Prefill of its own leases

@@ -7,11 +7,12 @@ import logging
 from prefill_worker.server import DEFAULT_MAX_QUEUED_PROMPT_TOKENS, FAULTS, PrefillWorker
 from tandem.engine.llm import Engine
 from tandem.rpc import worker_pb2, worker_pb2_grpc
+from tandem.rpc.auth import internal_auth
 from tandem.rpc.server import Server, Tls, add_tls_args
 from tandem.transfer.base import BACKENDS
 from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, build_worker_model,
-                                 engine_config, fingerprint, prepare_engine, serve_until_signalled, start_metrics,
-                                 stop_worker_model)
+                                 engine_config, fingerprint, internal_token, prepare_engine, require_free_ports,
+                                 serve_until_signalled, start_metrics, stop_worker_model)
 
 
 def add_args(ap) -> None:
@@ -27,6 +28,8 @@ def add_args(ap) -> None:
 
 def main(args) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s prefill %(levelname)s %(message)s")
+    require_free_ports(args.host, {"gRPC": args.port, "metrics": args.metrics_port})
+    token = internal_token(args, "prefill")
     ecfg = engine_config(args)
     cfg, model, _ = build_worker_model(args, ecfg)
     backend = args.transfer_backend
@@ -39,7 +42,7 @@ def main(args) -> int:
     worker = PrefillWorker(engine, fingerprint(args), backend,
                            args.inject_fault, metrics, ssl_context=tls.client_context() if tls else None,
                            max_queued_prompt_tokens=args.max_queued_prompt_tokens).start()
-    server = Server(tls=tls)
+    server = Server(tls=tls, interceptors=[internal_auth(token)] if token else [])
     server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, worker,
                worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)
     port = server.start(args.host, args.port)

@@ -12,9 +12,9 @@ from router.workers import WorkerPool
 from tandem.rpc import router_pb2, router_pb2_grpc
 from tandem.rpc.server import Server, Tls, add_tls_args
 from tandem.tokenizer import load_tokenizer_for
-from tandem.worker_setup import (DEFAULT_MODEL, add_server_args, advertise_host, announce, model_config,
-                                 serve_until_signalled,
-                                 served_model_name, start_metrics)
+from tandem.worker_setup import (DEFAULT_MODEL, add_server_args, advertise_host, announce, internal_token,
+                                 model_config, require_free_ports, serve_until_signalled, served_model_name,
+                                 start_metrics)
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +55,19 @@ def add_args(ap) -> None:
 
 def main(args) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
+    require_free_ports(args.host, {"gRPC": args.port, "HTTP": args.http_port, "metrics": args.metrics_port})
     cfg = model_config(args.model)
     metrics, metrics_address = start_metrics(args, "router")
     tls = Tls.from_args(args)
+    token = internal_token(args, "router")
     colocated = not _list(args.prefill_workers) and not args.prefill_dns
     if colocated:
         log.info("no prefill workers: colocated mode, decode workers prefill their requests")
     prefill = None if colocated else WorkerPool("prefill", _list(args.prefill_workers), args.prefill_dns,
-                                                args.poll_seconds, metrics, tls=tls).start()
+                                                args.poll_seconds, metrics, tls=tls,
+                                                internal_token=token).start()
     decode = WorkerPool("decode", _list(args.decode_workers), args.decode_dns, args.poll_seconds, metrics,
-                        tls=tls).start()
+                        tls=tls, internal_token=token).start()
     tokenizer = load_tokenizer_for(args.model)
     model_name = served_model_name(args)
     router = Router(cfg, model_name, args.max_model_len,

@@ -215,7 +215,8 @@ class Router(router_pb2_grpc.TandemServicer):
         state.metrics = timing = _RequestMetrics(self.metrics, len(prompt))
         on_end(context, lambda: self._end(state))
         try:
-            detok = IncrementalDetokenizer(self.tokenizer, request.skip_special_tokens, stop=list(request.stop))
+            skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True  # as over HTTP
+            detok = IncrementalDetokenizer(self.tokenizer, skip, stop=list(request.stop))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

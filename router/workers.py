@@ -14,6 +14,7 @@ import grpc
 
 from router.decode_stream import DecodeStream
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.rpc.auth import with_internal_token
 from tandem.rpc.server import Tls, make_channel, worker_channel_options
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,8 @@ def resolve(dns: str) -> list[str]:
 
 class WorkerPool:
     def __init__(self, role: str, addresses: list[str], dns: str | None, poll_seconds: float = 1.0, metrics=None,
-                 tls: Tls | None = None):
-        self.tls = tls
+                 tls: Tls | None = None, internal_token: str | None = None):
+        self.tls, self.internal_token = tls, internal_token
         if not addresses and not dns:
             raise ValueError(f"no {role} workers: give addresses or a DNS name")
         self.role, self._static, self._dns, self._poll = role, list(addresses), dns, poll_seconds
@@ -82,7 +83,7 @@ class WorkerPool:
                 if self.metrics is not None:
                     self.metrics.remove_worker(gone, self.role)
             for a in addresses - set(self.workers):
-                ch = make_channel(a, self.tls, worker_channel_options())
+                ch = with_internal_token(make_channel(a, self.tls, worker_channel_options()), self.internal_token)
                 stub, decode = self._stub_cls(ch), self.role == "decode"
                 self.workers[a] = Worker(a, self.role, stub, ch,
                                          prefill_stub=worker_pb2_grpc.PrefillWorkerStub(ch) if decode else None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,18 +22,22 @@ import torch
 
 from tandem.client import TandemClient
 from tandem.parallel import check_divisible
-from tandem.worker_setup import StopSignal, model_config
+from tandem.rpc.auth import INTERNAL_TOKEN_ENV, load_secret
+from tandem.worker_setup import StopSignal, model_config, require_free_ports
 
 START_TIMEOUT = 300.0
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], own_session: bool = False):
-        self.name, self.argv = name, argv
+    """env: variables added to this process's environment for the child (secrets: never on a command line)."""
+
+    def __init__(self, name: str, argv: list[str], own_session: bool = False, env: dict[str, str] | None = None):
+        self.name, self.argv, self.env = name, argv, dict(env or {})
         self.announced: queue.Queue = queue.Queue()
         self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=own_session)
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
+                                     start_new_session=own_session)
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -98,16 +103,17 @@ RESTART_ATTEMPTS, RESTART_PAUSE = 3, 2.0
 
 
 def _restart(child: "Child", ann: dict) -> "Child":
-    """The same worker again on the same ports, so the router's address for it stays valid; ready when this
-    returns. A port of the dead worker can stay taken for a moment after its death (a CPU suite run saw the
-    restarted worker fail to bind it once), so a start that fails is tried again, RESTART_ATTEMPTS times in all,
-    before the RuntimeError is passed on."""
+    """The same worker again on the same ports (gRPC, hand-off, metrics), so the router's address for it and the
+    announced metrics address stay valid; ready when this returns. A port of the dead worker can stay taken for a
+    moment after its death (a CPU suite run saw the restarted worker fail to bind it once), so a start that fails
+    is tried again, RESTART_ATTEMPTS times in all, before the RuntimeError is passed on."""
     argv = list(child.argv)
     argv[argv.index("--port") + 1] = ann["grpc"].rsplit(":", 1)[1]
-    if "transfer" in ann:
-        argv[argv.index("--transfer-port") + 1] = ann["transfer"].rsplit(":", 1)[1]
+    for key, flag in (("transfer", "--transfer-port"), ("metrics", "--metrics-port")):
+        if key in ann:
+            argv[argv.index(flag) + 1] = ann[key].rsplit(":", 1)[1]
     for attempt in range(1, RESTART_ATTEMPTS + 1):
-        new = Child(child.name, argv)
+        new = Child(child.name, argv, env=child.env)
         try:
             new.wait_announced(time.monotonic() + START_TIMEOUT)
             return new
@@ -136,6 +142,12 @@ def serve(args) -> int:
         print("error: --inject-fault applies to prefill workers; there are none (--prefill-workers 0)",
               file=sys.stderr)
         return 2
+    # the router's fixed ports: a taken one fails now, not after the workers have loaded the model
+    require_free_ports(args.host, {"gRPC": args.port, "HTTP": args.http_port,
+                                   "metrics": args.metrics_port if args.metrics else None})
+    # the router's credential on the workers' services: from the flag or environment, else new for this launch
+    token = load_secret(args.internal_token_file, INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)
+    internal = {INTERNAL_TOKEN_ENV: token}
     gpus = torch.cuda.device_count()
     children: list[Child] = []
     stopping = StopSignal()
@@ -160,7 +172,7 @@ def serve(args) -> int:
                         argv += ["--max-queued-prompt-tokens", str(args.max_queued_prompt_tokens)]
                     if _fault_for(args.inject_fault, i):
                         argv += ["--inject-fault", _fault_for(args.inject_fault, i)]
-                children.append(Child(f"{role}-{i}", argv))
+                children.append(Child(f"{role}-{i}", argv, env=internal))
                 workers[role].append(children[-1])
         announced = {role: [c.wait_announced(deadline) for c in cs] for role, cs in workers.items()}
         addresses = {role: [a["grpc"] for a in anns] for role, anns in announced.items()}
@@ -179,7 +191,7 @@ def serve(args) -> int:
                                   *cors_argv(args),
                                   # no prefill workers: the router is colocated
                                   *(["--prefill-workers", ",".join(addresses["prefill"])] if not colocated else []),
-                                  "--decode-workers", ",".join(addresses["decode"])])
+                                  "--decode-workers", ",".join(addresses["decode"])], env=internal)
         children.insert(0, router)
         at = router.wait_announced(deadline)
         where = at["grpc"]
@@ -212,7 +224,8 @@ def serve(args) -> int:
                     print(f"error: {e}; stopping", file=sys.stderr)
                     return 1
                 children[children.index(c)] = new
-                print(f"TANDEM restarted name={c.name} pid={new.proc.pid} grpc={ann[c.name]['grpc']}", flush=True)
+                print(f"TANDEM restarted name={c.name} pid={new.proc.pid} grpc={ann[c.name]['grpc']}"
+                      + (f" metrics={ann[c.name]['metrics']}" if "metrics" in ann[c.name] else ""), flush=True)
                 continue
             if dead:
                 print(f"{dead[0].name} exited with code {dead[0].proc.returncode}; stopping", file=sys.stderr)
@@ -248,6 +261,8 @@ def add_args(ap) -> None:
     add_engine_args(ap)
     ap.add_argument("--served-model-name", default=None, help="the model's name in the API and in metrics")
     ap.add_argument("--api-key-file", default=None, help="the router's API key (default: $TANDEM_API_KEY; unset: none)")
+    ap.add_argument("--internal-token-file", default=None, help="the token the router presents to the workers "
+                    "(default: $TANDEM_INTERNAL_TOKEN; unset: a new random one per launch)")
     ap.add_argument("--prefill-workers", type=int, default=1,
                     help="prefill worker processes; 0: colocated serving, each decode worker prefills its own "
                     "requests (no hand-off; for a model that fits only once per GPU)")
@@ -280,11 +295,13 @@ def add_args(ap) -> None:
 
 class ServeProcess:
     """`tandem serve` in a subprocess (its own session, so a kill reaches every child), ready when constructed;
-    for tests and benchmarks."""
+    for tests and benchmarks. `internal_token`: the one its workers require (tests call them directly with it)."""
 
     def __init__(self, *flags: str, start_timeout: float = 180.0, api_key: str | None = None, tls=None):
+        self.internal_token = secrets.token_urlsafe(16)
         self.child = Child("serve", ["serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-                                     "--http-port", "0", *flags], own_session=True)
+                                     "--http-port", "0", *flags], own_session=True,
+                           env={INTERNAL_TOKEN_ENV: self.internal_token})
         self.proc = self.child.proc
         try:
             at = self.child.wait_announced(time.monotonic() + start_timeout)

@@ -7,12 +7,14 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.model.presets import PRESETS, preset_config
+from tandem.rpc.auth import INTERNAL_TOKEN_ENV, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,34 @@ def add_server_args(ap, port: int) -> None:
     ap.add_argument("--worker-name", default=None, help="the `worker` label of this process's metrics "
                     "(default: role-pid; the pod name in Kubernetes)")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--internal-token-file", default=None, help="file holding the token the router sends and the "
+                    "workers require on their gRPC services (default: $TANDEM_INTERNAL_TOKEN; unset: workers accept "
+                    "any caller unless mTLS is on)")
+
+
+def internal_token(args, role: str) -> str | None:
+    """This process's internal token (--internal-token-file, else $TANDEM_INTERNAL_TOKEN); a worker without one
+    and without mTLS says that it serves anyone who reaches its port."""
+    token = load_secret(args.internal_token_file, INTERNAL_TOKEN_ENV)
+    if token is None and role != "router" and not getattr(args, "tls_ca", None):
+        log.warning("no internal token (--internal-token-file or $%s) and no mTLS (--tls-ca): this %s worker "
+                    "accepts calls from anyone who reaches its gRPC port", INTERNAL_TOKEN_ENV, role)
+    return token
+
+
+def require_free_ports(host: str, ports: dict[str, int | None]) -> None:
+    """Exits with a one-line error when one of `ports` ({what: port}; 0 and None are skipped) cannot be listened
+    on, before anything is loaded. The servers also refuse to share a port; this says so early, and by name."""
+    for what, port in ports.items():
+        if not port:
+            continue
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no conflict
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise SystemExit(f"error: cannot listen on {host}:{port} ({what}): {e.strerror}") from None
 
 
 def engine_config(args) -> EngineConfig:

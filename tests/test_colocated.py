@@ -23,6 +23,7 @@ from tandem import LLM, SamplingParams
 from tandem.engine.llm import Engine, load_model
 from tandem.metrics import Metrics
 from tandem.rpc import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from tandem.rpc.auth import with_internal_token
 from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.server import make_channel
 from tandem.worker_setup import DEFAULT_MODEL, add_engine_args, engine_config
@@ -126,7 +127,7 @@ def test_client_cancel_frees_everything(cluster):
 
 
 def test_prefill_rpc_on_the_decode_worker(cluster):
-    channel = make_channel(cluster.workers["decode-0"], None)
+    channel = with_internal_token(make_channel(cluster.workers["decode-0"], None), cluster.internal_token)
     try:
         prefill, decode = worker_pb2_grpc.PrefillWorkerStub(channel), worker_pb2_grpc.DecodeWorkerStub(channel)
         with pytest.raises(grpc.RpcError) as e:

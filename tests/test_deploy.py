@@ -476,3 +476,13 @@ def test_container_command_lines_parse_with_the_cli():
                     for a in c["command"][1:] + c.get("args", [])]
             parsed = parser.parse_args(args)
             assert parsed.host == "0.0.0.0", (overlay, role)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_and_workers_share_the_internal_token_secret(overlay):
+    """The workers accept only calls carrying TANDEM_INTERNAL_TOKEN: every role reads it from the same Secret."""
+    (auth,) = [s for s in objs(overlay, "Secret") if s["metadata"]["name"].endswith("tandem-auth")]
+    assert "TANDEM_INTERNAL_TOKEN" in auth.get("stringData", {}) | auth.get("data", {})
+    for role, dep in deployments(overlay).items():
+        refs = [e["secretRef"]["name"] for e in container(dep).get("envFrom", []) if "secretRef" in e]
+        assert auth["metadata"]["name"] in refs, role

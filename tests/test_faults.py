@@ -62,13 +62,14 @@ def cluster():
 @pytest.mark.parametrize("failures", [2, 3])
 def test_restart_starts_a_worker_again_when_it_fails_to_start(monkeypatch, failures):
     """A restarted worker that exits before it is ready (a CPU suite run once saw it fail to bind its old port,
-    still taken a moment after the kill) is started again on the same ports, each failed start's process gone
-    first; after RESTART_ATTEMPTS failed starts the error is passed on (and `tandem serve` stops)."""
+    still taken a moment after the kill) is started again on the same ports (gRPC, hand-off, metrics) and
+    environment (the internal token), each failed start's process gone first; after RESTART_ATTEMPTS failed starts
+    the error is passed on (and `tandem serve` stops)."""
     starts = []
 
     class FlakyChild:  # a real process that never announces; the first `failures` starts fail
-        def __init__(self, name, argv):
-            self.name, self.argv, self.fails = name, argv, len(starts) < failures
+        def __init__(self, name, argv, env=None):
+            self.name, self.argv, self.env, self.fails = name, argv, env, len(starts) < failures
             self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
             starts.append(self)
 
@@ -79,9 +80,10 @@ def test_restart_starts_a_worker_again_when_it_fails_to_start(monkeypatch, failu
 
     monkeypatch.setattr(launch, "Child", FlakyChild)
     monkeypatch.setattr(launch, "RESTART_PAUSE", 0.0)
-    dead = FlakyChild("decode-0", ["decode-worker", "--port", "0", "--transfer-port", "0"])
+    dead = FlakyChild("decode-0", ["decode-worker", "--port", "0", "--transfer-port", "0", "--metrics-port", "0"],
+                      env={"TANDEM_INTERNAL_TOKEN": "t"})
     starts.clear()
-    ann = {"grpc": "127.0.0.1:4101", "transfer": "127.0.0.1:4102"}
+    ann = {"grpc": "127.0.0.1:4101", "transfer": "127.0.0.1:4102", "metrics": "127.0.0.1:4103"}
     try:
         if failures < launch.RESTART_ATTEMPTS:
             new = launch._restart(dead, ann)
@@ -90,7 +92,8 @@ def test_restart_starts_a_worker_again_when_it_fails_to_start(monkeypatch, failu
             with pytest.raises(RuntimeError, match="before it was ready"):
                 launch._restart(dead, ann)
             assert len(starts) == launch.RESTART_ATTEMPTS
-        assert all(s.argv == ["decode-worker", "--port", "4101", "--transfer-port", "4102"] for s in starts)
+        assert all(s.argv == ["decode-worker", "--port", "4101", "--transfer-port", "4102", "--metrics-port", "4103"]
+                   and s.env == {"TANDEM_INTERNAL_TOKEN": "t"} for s in starts)
         assert all(s.proc.returncode is not None for s in starts[:failures])  # killed and reaped
     finally:
         for child in [dead, *starts]:
@@ -121,6 +124,7 @@ def test_kill_decode_worker_mid_stream(cluster):
         futs = [pool.submit(run, i) for i in range(n)]
         started.wait(60)  # every stream is decoding
         victim = c.workers["decode-0"]
+        victim_metrics = dict(zip(["router", *c.workers], c.metrics))["decode-0"]
         os.kill(c.pids["decode-0"], signal.SIGKILL)
         killed_at[0] = time.monotonic()
         # meanwhile new requests go to the healthy worker and succeed
@@ -139,6 +143,8 @@ def test_kill_decode_worker_mid_stream(cluster):
 
     c.wait_restarted("decode-0")
     wait_healthy(c, victim)
+    # its metrics are where they were announced: the restarted process serves them on the same port
+    assert 'worker="decode-0"' in requests.get(f"http://{victim_metrics}/metrics", timeout=10).text
     # the restarted worker takes work again: long requests spread over both, seen in its load
     calls = [c.client.generate(p, SamplingParams(max_tokens=300, **GREEDY), timeout=120) for p in prompts(6, 5)]
     used, deadline = False, time.monotonic() + 30

@@ -21,6 +21,7 @@ from tandem.client import TandemClient
 from tandem.config import EngineConfig
 from tandem.engine.llm import Engine, build_model
 from tandem.launch import Child, _stop_all
+from tandem.rpc.auth import INTERNAL_TOKEN_ENV
 from tandem.rpc.convert import finish_reason_name
 from tandem.worker_setup import DEFAULT_MODEL
 
@@ -157,10 +158,11 @@ def test_handoff_between_tensor_parallel_sizes(engines, oracle, prefill_tp, deco
 # ---- worker processes ---------------------------------------------------------------------------------------
 
 
-def start_router(prefill=None, decode=None) -> Child:
+def start_router(prefill=None, decode=None, token=None) -> Child:
+    """token: the internal token of the workers (those of a `tandem serve` require its own)."""
     return Child("router", ["router", "--model", MODEL, "--max-model-len", "256", "--num-speculative-tokens", str(K),
                             *COMMON, "--poll-seconds", "0.5", *(["--prefill-workers", prefill] if prefill else []),
-                            "--decode-workers", decode])
+                            "--decode-workers", decode], env={INTERNAL_TOKEN_ENV: token} if token else None)
 
 
 def test_serve_tensor_parallel_equals_one_rank(oracle):
@@ -176,7 +178,7 @@ def test_serve_tensor_parallel_equals_one_rank(oracle):
         assert len(ranks) == len(workers) == 2  # one more rank per worker
         run_workload(cluster.client, oracle)
         assert_idle(cluster)
-        router = start_router(decode=cluster.workers["decode-0"])
+        router = start_router(decode=cluster.workers["decode-0"], token=cluster.internal_token)
         with TandemClient(router.wait_announced(time.monotonic() + 60)["grpc"]) as colocated:
             colocated.wait_ready(60)
             run_workload(colocated, oracle)

@@ -21,6 +21,7 @@ from cluster import Cluster, assert_idle
 from tandem import SamplingParams
 from tandem.client import TandemClient
 from tandem.rpc import worker_pb2, worker_pb2_grpc
+from tandem.rpc.auth import with_internal_token
 from tandem.rpc.convert import sampling_to_proto
 from tandem.rpc.server import Tls
 
@@ -109,7 +110,7 @@ def test_handoff_socket_refuses_plain_and_unauthenticated_peers(cluster, pki):
     good, rogue = pki
     decode = cluster.workers["decode-0"]
     with grpc.secure_channel(decode, good.channel_credentials()) as ch:
-        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        stub = worker_pb2_grpc.DecodeWorkerStub(with_internal_token(ch, cluster.internal_token))
         lease = stub.Reserve(worker_pb2.ReserveRequest(request_id="tls-probe", prompt_token_ids=[1, 2, 3],
                                                        sampling=sampling_to_proto(PARAMS)), timeout=10)
         try:

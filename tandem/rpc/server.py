@@ -1,5 +1,7 @@
 """A gRPC server with what every Tandem process serves: grpc.health.v1 (Kubernetes' native gRPC probes) and
-reflection (grpcurl), plus message-size limits and a drain that turns readiness off before stopping."""
+reflection (grpcurl; v1 and v1alpha), plus message-size limits, requests that do not parse answered with
+INVALID_ARGUMENT, a port of its own (a taken port is an error, not shared) and a drain that turns readiness off
+before stopping."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+
+from tandem.rpc.reflection import SERVICE_NAMES as REFLECTION_NAMES, add_reflection
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +122,54 @@ def on_end(context, fn) -> None:
         fn()
 
 
+_HANDLER_MAKERS = {(False, False): grpc.unary_unary_rpc_method_handler,
+                   (False, True): grpc.unary_stream_rpc_method_handler,
+                   (True, False): grpc.stream_unary_rpc_method_handler,
+                   (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def with_behavior(handler: grpc.RpcMethodHandler, behavior, request_deserializer=None) -> grpc.RpcMethodHandler:
+    """A handler of the same kind and response serializer as `handler`, calling `behavior` instead."""
+    return _HANDLER_MAKERS[handler.request_streaming, handler.response_streaming](
+        behavior, request_deserializer=request_deserializer, response_serializer=handler.response_serializer)
+
+
+class RequestNotParsed(grpc.RpcError):
+    """A streamed request that did not parse: the consumer of the stream ends as if the stream had failed."""
+
+
+class ParseRequests(grpc.ServerInterceptor):
+    """Deserializes requests itself: bytes that are not the method's message end the call with INVALID_ARGUMENT
+    (grpc's own deserializer ends it with INTERNAL, as if the server had failed)."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse, message = handler.request_deserializer, f"{details.method}: the request is not its protobuf message"
+        behavior = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+        if not handler.request_streaming:
+            def unary(raw, context):
+                try:
+                    request = parse(raw)
+                except DecodeError:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+                return behavior(request, context)
+            return with_behavior(handler, unary)
+
+        def parsed(raws, context):
+            for raw in raws:
+                try:
+                    yield parse(raw)
+                except DecodeError:
+                    # the status the call ends with; the stream's consumer may be another thread than the handler's
+                    context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                    context.set_details(message)
+                    raise RequestNotParsed(message) from None
+
+        return with_behavior(handler, lambda raws, context: behavior(parsed(raws, context), context))
+
+
 class Server:
     """Wraps grpc.server: `add(register_fn, servicer, full_service_name)`, then `start(host, port)`."""
 
@@ -125,23 +177,29 @@ class Server:
                  max_receive: int = MAX_MESSAGE_BYTES, max_concurrent_rpcs: int | None = None):
         self.tls = tls
         # max_concurrent_rpcs: beyond it grpc answers RESOURCE_EXHAUSTED at once instead of queueing the call
+        # so_reuseport off: a second server on a taken port fails to bind instead of taking part of its calls.
+        # ParseRequests last: it sees the service's own handler; callers are authenticated before their bytes are read
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                                options=channel_options(max_receive), interceptors=list(interceptors),
+                                options=[*channel_options(max_receive), ("grpc.so_reuseport", 0)],
+                                interceptors=[*interceptors, ParseRequests()],
                                 maximum_concurrent_rpcs=max_concurrent_rpcs)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        self._names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        self._names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
 
     def add(self, register, servicer, service_name: str) -> None:
         register(servicer, self.grpc)
         self._names.append(service_name)
 
     def start(self, host: str, port: int) -> int:
-        reflection.enable_server_reflection(self._names, self.grpc)
-        bound = (self.grpc.add_secure_port(f"{host}:{port}", self.tls.server_credentials()) if self.tls
-                 else self.grpc.add_insecure_port(f"{host}:{port}"))
+        add_reflection(self.grpc, self._names)
+        try:
+            bound = (self.grpc.add_secure_port(f"{host}:{port}", self.tls.server_credentials()) if self.tls
+                     else self.grpc.add_insecure_port(f"{host}:{port}"))
+        except RuntimeError:  # grpc's "Failed to bind"
+            bound = 0
         if not bound:
-            raise OSError(f"cannot listen on {host}:{port}")
+            raise OSError(f"cannot listen on {host}:{port} (gRPC): the port is in use or not available")
         self.grpc.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.set_serving(True)
@@ -151,7 +209,7 @@ class Server:
         """Readiness: the service names. The empty name (liveness) stays SERVING through a drain, so Kubernetes
         stops routing to a draining pod without restarting it."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in self._names:
+        for name in [*self._names, *REFLECTION_NAMES]:
             self.health.set(name, status)
 
     def stop(self, grace: float | None = None) -> None:
