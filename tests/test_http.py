@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from cluster import Cluster, assert_idle
+from router.cors import Cors
 from router.http import start_http_server
 from tandem.model.presets import PRESETS, preset_config, random_model
 from tandem.tokenizer import load_tokenizer
@@ -329,6 +330,26 @@ def test_cors(url):
     r = requests.get(url + "/v1/models", headers={"Origin": "http://evil.example"}, timeout=10)
     assert "Access-Control-Allow-Origin" not in r.headers
     assert "Access-Control-Allow-Origin" not in requests.get(url + "/v1/models", timeout=10).headers
+
+
+def test_cors_preflight_needs_no_api_key(server):
+    """Browsers send no credentials on a preflight: it is answered before the key check; a 401 still gets the
+    origin header, so the page can read the error."""
+    cluster = server[0]
+    http = start_http_server(cluster.address, "127.0.0.1", 0, "text-model", None, MAX_MODEL_LEN, api_key="k",
+                             cors=Cors(("*",)))
+    base = f"http://127.0.0.1:{http.port}"
+    try:
+        r = requests.options(base + "/v1/models", timeout=10, headers={
+            "Origin": ORIGIN, "Access-Control-Request-Method": "GET", "Access-Control-Request-Headers": "authorization"})
+        assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
+        r = requests.get(base + "/v1/models", headers={"Origin": ORIGIN}, timeout=10)
+        assert_openai_error(r, 401)
+        assert r.headers["Access-Control-Allow-Origin"] == "*"
+        r = requests.get(base + "/v1/models", headers={"Origin": ORIGIN, "Authorization": "Bearer k"}, timeout=10)
+        assert r.status_code == 200
+    finally:
+        http.stop()
 
 
 def test_health_stays_quick_while_a_large_chat_is_tokenized(url):
