@@ -36,8 +36,8 @@ def same_secret(given: str | None, secret: str) -> bool:
 
 
 class MetadataAuth(grpc.ServerInterceptor):
-    """Calls to methods under `prefixes` whose metadata `accept` refuses end with UNAUTHENTICATED, before the
-    request is read."""
+    """Calls to methods under `prefixes` whose metadata `accept` refuses end with UNAUTHENTICATED, their request
+    left unparsed."""
 
     def __init__(self, prefixes: tuple[str, ...], accept: Callable[[dict], bool], message: str):
         self.prefixes, self.accept, self.message = prefixes, accept, message
