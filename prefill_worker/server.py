@@ -117,6 +117,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         return self._hand_off(result, request.lease, context)
 
     def Admit(self, request, context):
+        if self.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is draining")
         with self._lock:
             fits, queued = self._fits(request.prompt_tokens), self._queued_tokens
         if not fits:

@@ -15,7 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import Cluster, assert_idle
+from router.server import LEASE_ATTEMPTS, Router, _Active
+from router.workers import Worker
 from tandem import SamplingParams
+from tandem.rpc import worker_pb2
 
 LONG = 1500  # prompt tokens: ~2.5 s of prefill each on a 2-core CPU
 QUEUE = 4 * LONG  # --max-queued-prompt-tokens: four long prompts wait, a fifth is refused
@@ -130,6 +133,113 @@ def _swallow(call):
         yield from call
     except grpc.RpcError:
         pass
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._code.name
+
+
+class _Rpc:
+    """A worker method: `answer(request)` returns or raises; counts its calls; `.future` as grpc's."""
+
+    def __init__(self, answer):
+        self.answer, self.calls = answer, 0
+
+    def __call__(self, request, timeout=None):
+        self.calls += 1
+        return self.answer(request)
+
+    def future(self, request, timeout=None):
+        rpc = self
+
+        class Done:
+            @staticmethod
+            def result(timeout=None):
+                return rpc(request)
+        return Done()
+
+
+class _Context:
+    def __init__(self):
+        self.trailing = ()
+
+    def time_remaining(self):
+        return None
+
+    def is_active(self):
+        return True
+
+    def set_trailing_metadata(self, md):
+        self.trailing = md
+
+    def abort(self, code, details):
+        raise _RpcError(code)
+
+
+def _router(prefill_answers, admit=lambda r: worker_pb2.AdmitResponse()):
+    """A Router over one fake prefill and one fake decode worker; Prefill answers from `prefill_answers` in turn."""
+    answers = iter(prefill_answers)
+
+    def prefill(request):
+        answer = next(answers)
+        if isinstance(answer, grpc.StatusCode):
+            raise _RpcError(answer)
+        return answer
+
+    leases = iter(range(100))
+    decode = Worker("d", "decode", type("Stub", (), {})(), None, healthy=True)
+    decode.stub.Reserve = _Rpc(lambda r: worker_pb2.Lease(request_id=r.request_id, lease_id=str(next(leases))))
+    decode.stub.Abort = _Rpc(lambda r: worker_pb2.WorkerAbortResponse(found=True))
+    p = Worker("p", "prefill", type("Stub", (), {})(), None, healthy=True)
+    p.stub.Admit, p.stub.Prefill = _Rpc(admit), _Rpc(prefill)
+
+    class Pool:
+        def __init__(self, w):
+            self.w = w
+
+        def candidates(self):
+            return [self.w]
+
+        def all(self):
+            return [self.w]
+
+    return Router(None, "m", 4096, 0, Pool(p), Pool(decode)), p, decode
+
+
+def test_a_request_whose_lease_expired_is_retried_with_a_new_lease():
+    """The hand-off refused with ABORTED (the lease expired before it): each time the lease is given back and the
+    request starts over on a new one; after LEASE_ATTEMPTS leases, UNAVAILABLE with a retry hint, not a 500."""
+    first = worker_pb2.PrefillResponse(first_token_id=7)
+    router, p, d = _router([grpc.StatusCode.ABORTED, grpc.StatusCode.ABORTED, first])
+    lease, got = router._start(_Active("r"), [1, 2, 3], SamplingParams(max_tokens=4), _Context())
+    assert got.first_token_id == 7 and lease.lease_id == "2"
+    assert d.stub.Reserve.calls == 3 and d.stub.Abort.calls == 2  # the two expired leases were given back
+
+    router, p, d = _router([grpc.StatusCode.ABORTED] * LEASE_ATTEMPTS)
+    ctx = _Context()
+    with pytest.raises(_RpcError) as e:
+        router._start(_Active("r"), [1, 2, 3], SamplingParams(max_tokens=4), ctx)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "retry-after-ms" in dict(ctx.trailing)
+    assert d.stub.Reserve.calls == LEASE_ATTEMPTS
+
+
+def test_a_full_prefill_queue_is_refused_before_any_lease():
+    def full(request):
+        raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    router, p, d = _router([], admit=full)
+    ctx = _Context()
+    with pytest.raises(_RpcError) as e:
+        router._start(_Active("r"), [1, 2, 3], SamplingParams(max_tokens=4), ctx)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry-after-ms" in dict(ctx.trailing)
+    assert d.stub.Reserve.calls == 0 and p.stub.Prefill.calls == 0
 
 
 def test_colocated_queued_requests_outlive_their_lease():
