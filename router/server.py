@@ -300,6 +300,9 @@ class Router(router_pb2_grpc.TandemServicer):
                 yield aborted()
             elif context.is_active():
                 timing.finished("error")
+                if e.code() == grpc.StatusCode.ABORTED:  # the worker let the lease go (not the client's fault)
+                    self._exhausted(context, e.details() or "the decode lease expired; retry later",
+                                    grpc.StatusCode.UNAVAILABLE)
                 context.abort(e.code(), e.details() or str(e.code()))
         finally:
             if state.decode is not None:
