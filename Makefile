@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test proto clean
+.PHONY: setup run test proto clean image
 
 # the runtime dependencies only: what `make run` needs
 $(RUNTIME): pyproject.toml
@@ -36,6 +36,18 @@ run: $(RUNTIME)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The serving image (Dockerfile) with podman or docker, whichever is installed; the tag the manifests name.
+# TORCH_VARIANT=cuda: CUDA torch and the [gpu] extra. IMAGE_FLAGS: more build flags (--build-arg BASE_IMAGE=...,
+# --build-context wheels=DIR, --network host, ...); ENGINE: the engine command when both or a wrapper are wanted.
+TORCH_VARIANT ?= cpu
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= tandem:$(VERSION)-$(TORCH_VARIANT)
+ENGINE ?= $(notdir $(firstword $(shell command -v podman docker 2>/dev/null)))
+image:
+	@test -n "$(ENGINE)" || { echo "make image: neither podman nor docker is installed" >&2; exit 1; }
+	$(ENGINE) build --build-arg TORCH_VARIANT=$(TORCH_VARIANT) $(IMAGE_FLAGS) -t $(IMAGE) .
+	@echo "built $(IMAGE)"
 
 proto: $(STAMP)
 	$(BIN)/python -m tandem.rpc.regenerate

@@ -486,3 +486,54 @@ def test_router_and_workers_share_the_internal_token_secret(overlay):
     for role, dep in deployments(overlay).items():
         refs = [e["secretRef"]["name"] for e in container(dep).get("envFrom", []) if "secretRef" in e]
         assert auth["metadata"]["name"] in refs, role
+
+
+# --- the image the manifests run -------------------------------------------------------------------------------
+
+VARIANT = {"cpu-demo": "cpu", "gpu": "cuda"}  # the torch variant each overlay's image must carry
+
+
+def make_image_tag(variant: str) -> str:
+    """The tag `make image TORCH_VARIANT=variant` gives its image (read from the command it would run)."""
+    out = subprocess.run(["make", "-n", "image", f"TORCH_VARIANT={variant}", "ENGINE=podman"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    (tag,) = re.findall(r" -t (\S+)", out)
+    return tag
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_runs_the_image_make_builds(overlay):
+    tag = make_image_tag(VARIANT[overlay]).rpartition(":")[2]
+    for role, dep in deployments(overlay).items():
+        name, _, got = container(dep)["image"].rpartition(":")
+        assert got == tag and name.rpartition("/")[2] == "tandem", (overlay, role, container(dep)["image"])
+
+
+def help_flags(help_text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", help_text))
+
+
+def manifest_flags(c: dict) -> set[str]:
+    return {a.partition("=")[0] for a in c["command"][2:] + c.get("args", []) if a.startswith("--")}
+
+
+@functools.cache
+def role_help(subcommand: str) -> str:
+    exe = Path(sys.executable).with_name("tandem")
+    return subprocess.run([str(exe), subcommand, "--help"], capture_output=True, text=True, timeout=120,
+                          check=True).stdout
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_container_flags_are_in_the_role_help(overlay):
+    """Each flag a container passes is one `tandem <role> --help` lists for that role."""
+    for role, dep in deployments(overlay).items():
+        c = container(dep)
+        unknown = manifest_flags(c) - help_flags(role_help(c["command"][1]))
+        assert not unknown, (overlay, role, unknown)
+
+
+def test_help_flags_parser_rejects_a_foreign_flag():
+    # a flag only the router has is not a prefill worker's (the check above can fail)
+    assert "--prefill-dns" in help_flags(role_help("router"))
+    assert "--prefill-dns" not in help_flags(role_help("prefill-worker"))
