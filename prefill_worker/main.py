@@ -18,7 +18,8 @@ from tandem.worker_setup import (add_engine_args, add_server_args, advertise_hos
 def add_args(ap) -> None:
     add_engine_args(ap)
     add_server_args(ap, port=50061)
-    ap.add_argument("--transfer-backend", default="auto", choices=("auto", *BACKENDS))
+    ap.add_argument("--transfer-backend", default="auto", choices=("auto", *BACKENDS),
+                    help="how the state goes to decode workers (auto: by device and host)")
     ap.add_argument("--max-queued-prompt-tokens", type=int, default=DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
                     help="prompt tokens that may wait here (received, not yet prefilled); a prompt beyond is refused "
                     "at once (RESOURCE_EXHAUSTED, HTTP 429), and the router tries another prefill worker")

@@ -266,17 +266,19 @@ def add_args(ap) -> None:
     ap.add_argument("--prefill-workers", type=int, default=1,
                     help="prefill worker processes; 0: colocated serving, each decode worker prefills its own "
                     "requests (no hand-off; for a model that fits only once per GPU)")
-    ap.add_argument("--decode-workers", type=int, default=1)
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
+    ap.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     ap.add_argument("--port", type=int, default=50051, help="the router's gRPC port (0: any free port)")
-    ap.add_argument("--transfer-backend", default="auto", choices=("auto", *BACKENDS))
-    ap.add_argument("--drain-timeout", type=float, default=30.0)
+    ap.add_argument("--transfer-backend", default="auto", choices=("auto", *BACKENDS),
+                    help="how prefill workers send the KV cache and GDN states to decode workers (auto: cuda_ipc on "
+                    "one GPU host, else torch_distributed on GPUs, tcp on CPUs)")
+    ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight work gets on SIGTERM")
     ap.add_argument("--metrics-port", type=int, default=9090, help="the router's /metrics port (workers take free "
                     "ports; all are printed)")
     ap.add_argument("--no-metrics", dest="metrics", action="store_false", help="serve no /metrics")
     ap.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP port")
     add_cors_args(ap)
-    ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--log-level", default="WARNING", help="every process's log level (DEBUG, INFO, WARNING, ...)")
     ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers; FAULT@i: "
                     "prefill worker i only)")
     ap.add_argument("--lease-seconds", type=float, default=None, help="the decode workers' --lease-seconds")
