@@ -134,7 +134,8 @@ class EngineLoop:
                 if self.metrics is not None and shape is not None:
                     self.metrics.engine_step_seconds(shape.kind).observe(seconds)
                     self.metrics.engine_step_prompt_tokens_total(shape.kind).inc(shape.prompt_tokens)
-                if seconds > SLOW_STEP_SECONDS and shape is not None:  # every running request waited this long
+                # every running request waited this long; on a CPU every step is slow, so it says nothing there
+                if seconds > SLOW_STEP_SECONDS and shape is not None and device.type == "cuda":
                     log.warning("slow engine step: %.2f s (%d decode requests, %d prompt tokens); a kernel "
                                 "compiling while serving, or an oversized step budget", seconds, shape.decodes,
                                 shape.prompt_tokens)
