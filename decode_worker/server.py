@@ -44,7 +44,7 @@ from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import on_end, wait_result
 from tandem.rpc.convert import (finish_reason_to_proto, load_of, logprobs_to_proto, prompt_logprobs_to_proto,
                                 sampling_from_proto)
-from tandem.transfer.base import TransferServer
+from tandem.transfer.server import TransferServer
 from tandem.transfer.errors import TransferRejected
 from tandem.transfer.manifest import dtype_name, unpack
 

@@ -9,7 +9,7 @@ from tandem.engine.llm import Engine
 from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.auth import internal_auth
 from tandem.rpc.server import Server, Tls, add_tls_args
-from tandem.transfer.base import BACKENDS
+from tandem.transfer.kinds import BACKENDS
 from tandem.worker_setup import (add_engine_args, add_server_args, advertise_host, announce, build_worker_model,
                                  engine_config, fingerprint, internal_token, prepare_engine, require_free_ports,
                                  serve_until_signalled, start_metrics, stop_worker_model)

@@ -28,7 +28,7 @@ from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import on_end, time_left, wait_result
 from tandem.rpc.convert import (finish_reason_to_proto, load_of, logprobs_to_proto, prompt_logprobs_to_proto,
                                 sampling_from_proto)
-from tandem.transfer.base import TransferClient
+from tandem.transfer.client import TransferClient
 from tandem.transfer.errors import TransferError, TransferRejected
 from tandem.transfer.manifest import Manifest, checksum, pack
 

@@ -255,7 +255,7 @@ def _stop_all(children: list[Child], drain_timeout: float) -> None:
 
 def add_args(ap) -> None:
     from router.cors import add_cors_args
-    from tandem.transfer.base import BACKENDS
+    from tandem.transfer.kinds import BACKENDS
     from tandem.worker_setup import add_engine_args
 
     add_engine_args(ap)

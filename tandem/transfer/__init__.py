@@ -1,6 +1,8 @@
 """P -> D hand-off of a request's cache state: pack named tensors, send them, verify and install on D."""
 
-from .base import BACKENDS, TransferClient, TransferServer, default_backend
+from .client import TransferClient
+from .kinds import BACKENDS, default_backend
+from .server import TransferServer
 from .errors import TransferError, TransferRejected
 from .manifest import Manifest, TensorSpec, checksum, model_fingerprint, pack, unpack
 

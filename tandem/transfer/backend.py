@@ -1,4 +1,4 @@
-"""The interface every payload backend implements; base.py drives it.
+"""The interface every payload backend implements; client.py and server.py drive it.
 
 Per transfer on one connection (P = client, D = server):
     P: extra = sender.prepare(ch, manifest, flat, timeout)   may exchange its own control frames first
