@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tandem.model.batch import ForwardBatch  # noqa: E402
+from tandem.batch import ForwardBatch  # noqa: E402
 from tandem.ops import attention, gdn, moe, norm  # noqa: E402
 
 E, TOP_K, H, I = 256, 8, 2048, 512  # the 35B-A3B's MoE

@@ -45,7 +45,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandem.config import ModelConfig  # noqa: E402
-from tandem.model.batch import ForwardBatch  # noqa: E402
+from tandem.batch import ForwardBatch  # noqa: E402
 from tandem.model.loader import build_empty_model  # noqa: E402
 from tandem.model.presets import PRESETS  # noqa: E402
 from tandem.ops import attention, fp8, gdn, linear, moe, norm, pointwise, rope  # noqa: E402

@@ -1,10 +1,10 @@
-"""Host-to-device helpers of tandem/model/batch.py against plain indexing: `to_device` (one copy for several host
+"""Host-to-device helpers of tandem/batch.py against plain indexing: `to_device` (one copy for several host
 arrays, torch or numpy) and `take_rows` (rows by a host list, without a pageable index copy)."""
 
 import numpy as np
 import torch
 
-from tandem.model.batch import take_rows, to_device
+from tandem.batch import take_rows, to_device
 
 
 def test_to_device_keeps_values_shapes_and_aligns_each_part():

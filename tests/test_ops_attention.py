@@ -7,7 +7,7 @@ at the real shape through the dispatch."""
 import pytest
 import torch
 
-from tandem.model.batch import ForwardBatch
+from tandem.batch import ForwardBatch
 from tandem.ops import attention
 
 BLOCK_SIZE = 16

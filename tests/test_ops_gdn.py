@@ -6,7 +6,7 @@ sizes; GPU: the dispatch at Qwen3.5 sizes (fla's chunked prefill when fla is imp
 import pytest
 import torch
 
-from tandem.model.batch import ForwardBatch
+from tandem.batch import ForwardBatch
 from tandem.ops import gdn
 
 # requests' row counts: decode (1), verify (k+1 = W), fewer than W, short and long prefill chunks

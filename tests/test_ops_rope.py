@@ -5,7 +5,7 @@ takes from its fused projection."""
 import pytest
 import torch
 
-from tandem.model.batch import ForwardBatch
+from tandem.batch import ForwardBatch
 from tandem.ops import rope
 
 

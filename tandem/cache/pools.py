@@ -20,7 +20,7 @@ import torch
 
 from tandem.cache.allocator import CountingAllocator
 from tandem.config import EngineConfig, ModelConfig
-from tandem.model.batch import to_device
+from tandem.batch import to_device
 from tandem.ops.gdn import pending_width
 from tandem.parallel import SINGLE, TPGroup
 

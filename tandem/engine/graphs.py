@@ -26,7 +26,7 @@ import torch
 from tandem.cache.pools import CachePools
 from tandem.config import EngineConfig
 from tandem.engine.scheduler import ScheduledChunk
-from tandem.model.batch import ForwardBatch
+from tandem.batch import ForwardBatch
 from tandem.profiling import traced
 
 

@@ -22,7 +22,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec import SpecStats, VerifyRow, draft
 from tandem.engine.sequence import Sequence, Status
-from tandem.model.batch import take_rows
+from tandem.batch import take_rows
 from tandem.model.loader import load_checkpoint
 from tandem.model.presets import PRESETS, preset_config, random_model
 from tandem.ops.attention import DECODE_MAX_Q

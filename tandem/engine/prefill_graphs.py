@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config import EngineConfig
-from tandem.model.batch import ForwardBatch
+from tandem.batch import ForwardBatch
 from tandem.model.qwen3_5 import Core
 from tandem.profiling import phase
 

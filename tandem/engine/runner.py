@@ -12,7 +12,7 @@ from tandem.config import EngineConfig
 from tandem.engine.prefill_graphs import PrefillGraphs
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.engine.sequence import Sequence
-from tandem.model.batch import ForwardBatch, to_device
+from tandem.batch import ForwardBatch, to_device
 from tandem.model.qwen3_5 import Qwen3_5ForCausalLM
 from tandem.profiling import traced
 

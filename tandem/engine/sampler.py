@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.model.batch import to_device
+from tandem.batch import to_device
 from tandem.profiling import traced
 
 

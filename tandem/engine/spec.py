@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.model.batch import take_rows
+from tandem.batch import take_rows
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.model.batch import ForwardBatch
+from tandem.batch import ForwardBatch
 from tandem.model.qwen3_5 import DecoderLayer, RMSNorm1p
 from tandem.parallel import SINGLE, TPGroup
 

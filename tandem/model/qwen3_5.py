@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.model.batch import ForwardBatch
+from tandem.batch import ForwardBatch
 from tandem.ops.attention import paged_attention
 from tandem.ops.fp8 import FP8_DTYPE, scale_shape, w8a8_linear
 from tandem.ops.gdn import Gates, causal_conv1d, gated_delta_rule

@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from tandem.model.batch import ForwardBatch
+from tandem.batch import ForwardBatch
 from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton
 
 DECODE_MAX_Q = 8  # batches whose longest request has at most this many query rows take the decode tiling

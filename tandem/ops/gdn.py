@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tandem.model.batch import ForwardBatch, to_device
+from tandem.batch import ForwardBatch, to_device
 from tandem.ops.pointwise import gdn_gates, gdn_gates_torch
 from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton
 

@@ -12,7 +12,7 @@ tables, each product and their sum).
 
 import torch
 
-from tandem.model.batch import ForwardBatch
+from tandem.batch import ForwardBatch
 from tandem.ops.attention import write_kv
 from tandem.ops.norm import rms_norm_1p
 from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton
