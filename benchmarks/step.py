@@ -550,7 +550,8 @@ def gdn_prefill_path() -> str:
     fla's chunked kernel takes ~5; a run that lacks it must say so."""
     if gdn.HAS_FLA:
         return "GDN prefill: fla-core's chunked kernel"
-    return "GDN prefill: the recurrent kernel (fla-core is not installed; on a GPU the prefill and mixed figures then mislead)"
+    return ("GDN prefill: the recurrent kernel (fla-core is not installed; on a GPU the prefill and mixed figures "
+            "then mislead)")
 
 
 def main():

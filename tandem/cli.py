@@ -11,7 +11,8 @@ from tandem.worker_setup import DEFAULT_MODEL
 def _generate(args) -> int:
     from tandem import LLM, SamplingParams
 
-    spec = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens} if args.num_speculative_tokens else None
+    k = args.num_speculative_tokens
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               speculative_config=spec)
     if args.prompt_token_ids:

@@ -219,7 +219,10 @@ def slow_worker():
     worker.stop()
 
 
-def _reserve(worker, rid, prompt=tuple(range(2, 82)), params=SamplingParams(max_tokens=8, temperature=0.0)):
+GREEDY_8 = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def _reserve(worker, rid, prompt=tuple(range(2, 82)), params=GREEDY_8):
     return worker.Reserve(worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=list(prompt),
                                                     sampling=sampling_to_proto(params)), _Context())
 

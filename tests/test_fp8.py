@@ -46,7 +46,8 @@ def check_bound(w, block):
     assert s.shape == fp8.scale_shape(w.shape, block)
     dq = dequantize_block_fp8(q, s, block).double()
     w64 = w.double()
-    s_full = s.double().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., : w.shape[-2], : w.shape[-1]]
+    s_full = s.double().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
+    s_full = s_full[..., : w.shape[-2], : w.shape[-1]]
     err = (dq - w64).abs()
     slack = 1 + 2**-20  # fp32 arithmetic of the division and the dequantising product
     assert (err <= (2**-4 * w64.abs() + 2**-10 * s_full) * slack + 1e-30).all()
@@ -318,7 +319,8 @@ def test_w8a8_load_keeps_the_checkpoint_bytes(fp8_dir):
     for name in ["linear_attn.in_proj_a.weight", "mlp.gate.weight", "mlp.shared_expert_gate.weight"]:
         assert params["model.layers.0." + name].dtype == torch.float32 and "model.layers.0." + name + "_scale_inv" \
             not in params
-    gu, gus = params["model.layers.0.mlp.experts.gate_up_proj"], params["model.layers.0.mlp.experts.gate_up_proj_scale_inv"]
+    experts = "model.layers.0.mlp.experts"
+    gu, gus = params[f"{experts}.gate_up_proj"], params[f"{experts}.gate_up_proj_scale_inv"]
     inter, half = gu.shape[1] // 2, gus.shape[1] // 2
     for e in (0, 5):
         p = f"{l0}mlp.experts.{e}."

@@ -50,7 +50,8 @@ def to_official_layout(tensors, cfg: ModelConfig):
         out[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = t
     for layer in sorted({k[0] for k in per_expert}):
         E = cfg.num_experts
-        gate_up = [torch.cat([per_expert[(layer, e, "gate_proj")], per_expert[(layer, e, "up_proj")]]) for e in range(E)]
+        gate_up = [torch.cat([per_expert[(layer, e, "gate_proj")], per_expert[(layer, e, "up_proj")]])
+                   for e in range(E)]
         out[f"model.language_model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
         out[f"model.language_model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(
             [per_expert[(layer, e, "down_proj")] for e in range(E)])

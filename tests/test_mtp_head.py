@@ -82,7 +82,8 @@ def test_mtp_head_and_recursion_match_reference():
             next_ids.append(drafts[step])
         # ref_all covers positions 0..N+1: the first N rows are step 0, then one row per recursion step
         assert (torch.cat(ours) - ref_all[: len(prompt) + 2]).abs().max() <= 1e-5
-        ref_drafts = [int(model.compute_logits(ref_all[len(prompt) - 1 + i : len(prompt) + i]).argmax()) for i in range(3)]
+        n = len(prompt)
+        ref_drafts = [int(model.compute_logits(ref_all[n - 1 + i : n + i]).argmax()) for i in range(3)]
         assert drafts == ref_drafts
 
 

@@ -217,7 +217,7 @@ def test_ranked_routing_cpu_interpreter(shared):
     x, gate_up = torch.randn(T, H, generator=g), torch.randn(E_all, 2 * I, H, generator=g) / H**0.5
     down = torch.randn(E_all, H, I, generator=g) / I**0.5
     counters = moe.routing_counters(torch.device("cpu"), 32)
-    for layer in range(2):
+    for _ in range(2):  # a second layer: the counters must be back at zero
         logits, shared_logit = torch.randn(T, E, generator=g), torch.randn(T, 1, generator=g) if shared else None
         w, e = moe.route_logits_triton(logits, top_k, True, shared_logit)
         w_r, e_r, ranks = moe.route_logits_triton(logits, top_k, True, shared_logit, ranked=True)

@@ -20,8 +20,8 @@ def fp64_gated(x, z, w, eps):
 def cases(device, dtype):
     g = torch.Generator().manual_seed(0)
     for rows, dim in [(1, 16), (7, 48), (33, 128)]:  # 48: a width that is not a power of two
-        yield (torch.randn(rows, dim, generator=g).to(device, dtype), torch.randn(rows, dim, generator=g).to(device, dtype),
-               torch.randn(dim, generator=g).to(device, dtype))
+        x, residual = (torch.randn(rows, dim, generator=g).to(device, dtype) for _ in range(2))
+        yield x, residual, torch.randn(dim, generator=g).to(device, dtype)
 
 
 def check(device, dtype, tol):

@@ -24,7 +24,7 @@ from datetime import datetime
 import numpy as np
 
 from tandem.bench import datasets, report
-from tandem.bench.backends import GrpcBackend, OpenAICompletionsBackend, RequestOutput, RequestSettings
+from tandem.bench.backends import GrpcBackend, OpenAICompletionsBackend, RequestSettings
 
 
 def add_args(ap) -> None:

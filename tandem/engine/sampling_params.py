@@ -28,7 +28,8 @@ class SamplingParams:
             if not ok:
                 raise ValueError(msg)
 
-        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+              f"max_tokens must be >= 1, got {self.max_tokens}")
         check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         check(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
               f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
@@ -36,14 +37,16 @@ class SamplingParams:
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(-2.0 <= self.frequency_penalty <= 2.0,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
               f"logprobs must be a non-negative integer, got {self.logprobs}")
         check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
               f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs}")
         check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
               f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative ints")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids must be non-negative ints")
         if self.top_k == -1:
             self.top_k = 0
 

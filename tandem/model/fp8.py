@@ -73,7 +73,8 @@ class Fp8Quantization:
                                  "not supported, only block-quantised weights")
         if (not isinstance(block, (list, tuple)) or len(block) != 2
                 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-            raise Fp8FormatError(f"quantization_config.weight_block_size: expected two positive integers, got {block!r}")
+            raise Fp8FormatError("quantization_config.weight_block_size: expected two positive integers, "
+                                 f"got {block!r}")
         skip = raw.get("modules_to_not_convert") or []
         if not isinstance(skip, (list, tuple)) or not all(isinstance(s, str) for s in skip):
             raise Fp8FormatError(f"quantization_config.modules_to_not_convert: expected a list of names, got {skip!r}")

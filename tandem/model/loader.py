@@ -3,7 +3,8 @@
 Accepts single-file and sharded (`model.safetensors.index.json`) checkpoints; HF names with or without the
 `model.language_model.` prefix (`model.visual.*` ignored); experts fused (3-D) or per expert; Qwen3-Next's
 interleaved `in_proj_qkvz` / `in_proj_ba` (converted to the 3.5 split layout); `mtp.*` into the MTP head
-(`model.mtp`, present when the checkpoint has those tensors). Each tensor goes straight to the device and dtype; nothing is staged in a second full CPU copy.
+(`model.mtp`, present when the checkpoint has those tensors). Each tensor goes straight to the device and dtype;
+nothing is staged in a second full CPU copy.
 Under tensor parallelism a rank reads only its part of each split tensor (safetensors slices) and only its
 experts; the Qwen3-Next packed projections are read whole, converted, then cut.
 FP8 block-quantised checkpoints (`quantization_config.quant_method == "fp8"`, see `tandem/model/fp8.py`) load one
@@ -239,7 +240,7 @@ class _Fp8File:
     """An open safetensors file whose float8 weights read as fp32 (dequantised with their `weight_scale_inv`,
     which may lie in another shard); the scale tensors themselves are not listed. Problems go to `problems`."""
 
-    def __init__(self, f, quant: fp8.Fp8Quantization, scale_files: dict[str, str], device, problems: list[str],
+    def __init__(self, f, quant: "fp8.Fp8Quantization", scale_files: dict[str, str], device, problems: list[str],
                  used_scales: set[str]):
         from tandem.model import fp8
 

@@ -344,7 +344,8 @@ class MLP(_FusedProjections):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = _linear(hidden, inter), _linear(hidden, inter), _linear(inter, hidden)
+        self.gate_proj, self.up_proj = _linear(hidden, inter), _linear(hidden, inter)
+        self.down_proj = _linear(inter, hidden)
         self.tp_splits = {"gate_proj.weight": Split(0), "up_proj.weight": Split(0), "down_proj.weight": Split(1)}
 
     def forward(self, x):

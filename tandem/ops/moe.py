@@ -153,8 +153,8 @@ if HAS_TRITON:
                           PDL: tl.constexpr):
         """One program per chunk of CHUNK pairs (more than one chunk: fewer pairs take `_moe_align_ranks_kernel`).
         The chunks' histograms from `_moe_count_kernel` give each expert's padded segment and this chunk's offset
-        inside it (the pairs of the chunks before). Sorting the keys expert * CHUNK + local index puts the chunk's pairs in expert order, each
-        expert's in pair order, so across chunks every expert's pairs lie in pair order (deterministic: the layout
+        inside it (the pairs of the chunks before). Sorting the keys expert * CHUNK + local index puts the chunk's
+        pairs in expert order, each expert's in pair order, so across chunks every expert's pairs lie in pair order (deterministic: the layout
         of `_moe_align_torch`). Each program also writes the sentinel N into the padding of the experts
         e = c (mod n_chunks) and a share of `block_expert` (block b's expert: the number of experts whose segment
         ends at or before b * BLOCK_M); pairs and sentinels go to distinct slots, so no program waits for another.
@@ -418,7 +418,8 @@ def route_logits_torch(logits, top_k, renormalize, shared_logit=None):
     if shared_logit is None:
         return weights, experts
     shared = torch.full_like(experts[:, :1], logits.shape[1])
-    return torch.cat([weights, torch.sigmoid(shared_logit.float()).to(logits.dtype)], 1), torch.cat([experts, shared], 1)
+    shared_weight = torch.sigmoid(shared_logit.float()).to(logits.dtype)
+    return torch.cat([weights, shared_weight], 1), torch.cat([experts, shared], 1)
 
 
 def _expert_linear(x, w, scale, block):
