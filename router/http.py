@@ -34,9 +34,13 @@ from prometheus_client import CollectorRegistry
 
 from router import http_fields as fields
 from router.auth import bearer_ok
+from router.chat_choice import ChatChoice, OutputFormat
+from router.chat_parsers import Parsers
+from router.chat_tools import Tools, request_tools, template_message
 from router.cors import Cors
 from router.cpu_pool import CpuPool
 from router.http_errors import ApiError, bad, error_middleware, from_grpc, internal_error
+from router.reasoning import prompt_opens_think
 from tandem.rpc import common_pb2, router_pb2, router_pb2_grpc
 from tandem.rpc.convert import finish_reason_name
 from tandem.rpc.server import Tls, channel_options
@@ -52,7 +56,8 @@ class _Api:
     def __init__(self, grpc_address: str, model_name: str, tokenizer, max_model_len: int,
                  request_timeout: float = REQUEST_TIMEOUT, api_key: str | None = None, tls: Tls | None = None,
                  max_body_bytes: int = 64 * 1024 * 1024, metrics_registry: CollectorRegistry | None = None,
-                 cors: Cors | None = None, pool: CpuPool | None = None):
+                 cors: Cors | None = None, pool: CpuPool | None = None, parsers: Parsers | None = None):
+        self.parsers = parsers or Parsers()
         self.tls, self.max_body_bytes, self.metrics_registry, self.cors = tls, max_body_bytes, metrics_registry, cors
         self.grpc_address, self.model_name, self.tok, self.max_model_len = \
             grpc_address, model_name, tokenizer, max_model_len
@@ -138,7 +143,7 @@ class _Api:
     def _tokenize(self, body: dict) -> dict:
         tok = self._tokenizer()
         if "messages" in body:
-            ids = self._chat_prompt(body)
+            ids, _ = self._chat_prompt(body, request_tools(body))
         else:
             prompt = fields.field(body, "prompt", (str,), None)
             if prompt is None:
@@ -399,7 +404,8 @@ class _Api:
         return self.tok.decode(prompt, skip_special_tokens=False) if self.tok is not None else ""
 
     # -- /v1/chat/completions
-    def _chat_prompt(self, body: dict) -> list[int]:
+    def _chat_prompt(self, body: dict, tools: Tools) -> tuple[list[int], str]:
+        """The rendered chat prompt (with the request's tools and chat_template_kwargs): its ids and its text."""
         if self.tok is None or getattr(self.tok, "chat_template", None) is None:
             raise bad("this model has no chat template (no tokenizer or no chat_template): "
                       "use /v1/completions", "messages")
@@ -420,21 +426,24 @@ class _Api:
                 content = "".join(p["text"] for p in content)
             elif not isinstance(content, str):
                 raise bad("message 'content' must be a string or a list of text parts", "messages")
-            clean.append(dict(m, content=content))
+            clean.append(template_message(dict(m, content=content)))
         kwargs = fields.field(body, "chat_template_kwargs", (dict,), {})
         try:
             text = self.tok.apply_chat_template(
                 clean, add_generation_prompt=fields.field(body, "add_generation_prompt", (bool,), True),
-                tokenize=False, **kwargs)
+                tokenize=False, tools=tools.tools, **kwargs)
         except Exception as e:  # a template that rejects the conversation (jinja raises its own errors)
             raise bad(f"the chat template failed: {e}", "messages") from None
-        return self.tok.encode(text, add_special_tokens=False)
+        return self.tok.encode(text, add_special_tokens=False), text
 
     def _chat_request(self, body: dict) -> SimpleNamespace:
         """Checks a chat body, templates and tokenizes it (on the CPU pool: this is the slow part of a long chat)."""
-        fields.unsupported(body, {"tools": ([],), "tool_choice": ("none",), "logit_bias": ({},),
-                                  "response_format": ({"type": "text"},), "use_beam_search": (False,)})
-        ids = self._chat_prompt(body)
+        # structured outputs (response_format json_object / json_schema) are not built yet
+        fields.unsupported(body, {"logit_bias": ({},), "response_format": ({"type": "text"},),
+                                  "use_beam_search": (False,)})
+        tools = request_tools(body)
+        tools.check_servable(self.parsers.auto_tool_choice, self.parsers.tool_call)
+        ids, text = self._chat_prompt(body, tools)
         if len(ids) > self.max_model_len:
             raise bad(f"the prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})", "messages")
         # vLLM's chat echo: the answer starts with the last message when that is the assistant's (continuing it)
@@ -448,9 +457,11 @@ class _Api:
             raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         max_tokens = fields.max_tokens(body, ("max_completion_tokens", "max_tokens"))
         sampling = fields.sampling(body, max_tokens, top_n if want_lp else None)
+        fmt = OutputFormat(reasoning=self.parsers.reasoning is not None, prompt_in_think=prompt_opens_think(text),
+                           tools=tools.schemas() if tools.parsed() else None, parallel=tools.parallel)
         return SimpleNamespace(
             prompt_len=len(ids), reqs=self._requests(body, [ids], sampling, n), n=n, want_lp=want_lp, top_n=top_n,
-            echo_text="\n".join(p["text"] for p in content) if isinstance(content, list) else content,
+            fmt=fmt, echo_text="\n".join(p["text"] for p in content) if isinstance(content, list) else content,
             stream=fields.field(body, "stream", (bool,), False), include_usage=self._include_usage(body))
 
     async def chat(self, request) -> web.StreamResponse:
@@ -465,7 +476,7 @@ class _Api:
                 r.sampling.max_tokens = max_tokens
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        texts, reasons, lps, started = [echo_text] * n, [None] * n, [None] * n, [False] * n
+        outs, reasons, lps, started = [ChatChoice(c.fmt) for _ in range(n)], [None] * n, [None] * n, [False] * n
 
         def chunk(i, m):
             out = []
@@ -481,19 +492,34 @@ class _Api:
             if lp is not None:
                 lps[i] = lps[i] or {"content": []}
                 lps[i]["content"] += lp["content"]
-            texts[i] += m.text
+            delta = outs[i].feed(m.text)
+            if reason is not None:  # the choice's last message: what the parsers held back, and its real reason
+                delta = _merged_delta(delta, outs[i].finish())
+                reason = outs[i].finish_reason(reason)
             reasons[i] = reason
-            if m.text or reason or lp:
-                delta = {"content": m.text} if m.text else {}
+            if delta or reason or lp:
                 out.append(dict(head, choices=[{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]))
             return out
 
         def final(usage):
             return dict(head, object="chat.completion", usage=usage, choices=[
-                {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lps[i],
+                {"index": i, "message": _with_echo(outs[i].message(), echo_text), "logprobs": lps[i],
                  "finish_reason": reasons[i]} for i in range(n)])
 
         return await self._run(request, c.reqs, n, c.stream, chunk, final, head, c.include_usage)
+
+
+def _merged_delta(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out[k] + v if k in out else v
+    return out
+
+
+def _with_echo(message: dict, echo_text: str) -> dict:
+    if echo_text:
+        message["content"] = echo_text + (message["content"] or "")
+    return message
 
 
 class HttpServer:
@@ -548,8 +574,9 @@ def start_http_server(grpc_address: str, host: str, port: int, model_name: str, 
                       max_model_len: int, request_timeout: float = REQUEST_TIMEOUT,
                       api_key: str | None = None, tls: Tls | None = None,
                       max_body_bytes: int = 64 * 1024 * 1024, metrics_registry: CollectorRegistry | None = None,
-                      cors: Cors | None = None, pool: CpuPool | None = None) -> HttpServer:
+                      cors: Cors | None = None, pool: CpuPool | None = None,
+                      parsers: Parsers | None = None) -> HttpServer:
     """Serves OpenAI's API on host:port (0: any free port) in front of the router at `grpc_address`; with
     `metrics_registry`, also that registry at /metrics."""
     return HttpServer(_Api(grpc_address, model_name, tokenizer, max_model_len, request_timeout, api_key, tls,
-                           max_body_bytes, metrics_registry, cors, pool), host, port)
+                           max_body_bytes, metrics_registry, cors, pool, parsers), host, port)

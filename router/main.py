@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from router.auth import ApiKeyInterceptor, load_api_key
+from router.chat_parsers import Parsers, add_parser_args
 from router.cors import Cors, add_cors_args
 from router.server import Router
 from router.workers import WorkerPool
@@ -52,12 +53,18 @@ def add_args(ap) -> None:
                     "prompt + generated tokens; exact for greedy sampling without penalties)")
     add_tls_args(ap)
     add_cors_args(ap)
+    add_parser_args(ap)
 
 
 def main(args) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
     require_free_ports(args.host, {"gRPC": args.port, "HTTP": args.http_port, "metrics": args.metrics_port})
     cfg = model_config(args.model)
+    try:
+        parsers = Parsers.from_args(args, cfg.model_type)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     metrics, metrics_address = start_metrics(args, "router")
     tls = Tls.from_args(args)
     token = internal_token(args, "router")
@@ -88,7 +95,7 @@ def main(args) -> int:
         http = start_http_server(f"127.0.0.1:{port}", args.host, args.http_port, model_name, tokenizer,
                                  args.max_model_len, api_key=api_key, tls=tls,
                                  max_body_bytes=args.max_request_bytes, metrics_registry=metrics.registry,
-                                 cors=Cors.from_args(args))
+                                 cors=Cors.from_args(args), parsers=parsers)
     announce("router", grpc=f"{advertise_host(args)}:{port}", metrics=metrics_address,
              http=f"{advertise_host(args)}:{http.port}" if http else None)
     serve_until_signalled(server, router, args.drain_timeout)

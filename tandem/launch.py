@@ -127,6 +127,7 @@ def _restart(child: "Child", ann: dict) -> "Child":
 
 
 def serve(args) -> int:
+    from router.chat_parsers import parser_argv
     from router.cors import cors_argv
 
     if args.decode_workers < 1 or args.prefill_workers < 0:
@@ -188,7 +189,7 @@ def serve(args) -> int:
                                   *(["--poll-seconds", str(args.poll_seconds)] if args.poll_seconds else []),
                                   *(["--metrics-port", str(args.metrics_port)] if args.metrics else []),
                                   *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
-                                  *cors_argv(args),
+                                  *cors_argv(args), *parser_argv(args),
                                   # no prefill workers: the router is colocated
                                   *(["--prefill-workers", ",".join(addresses["prefill"])] if not colocated else []),
                                   "--decode-workers", ",".join(addresses["decode"])], env=internal)
@@ -254,6 +255,7 @@ def _stop_all(children: list[Child], drain_timeout: float) -> None:
 
 
 def add_args(ap) -> None:
+    from router.chat_parsers import add_parser_args
     from router.cors import add_cors_args
     from tandem.transfer.kinds import BACKENDS
     from tandem.worker_setup import add_engine_args
@@ -278,6 +280,7 @@ def add_args(ap) -> None:
     ap.add_argument("--no-metrics", dest="metrics", action="store_false", help="serve no /metrics")
     ap.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP port")
     add_cors_args(ap)
+    add_parser_args(ap)
     ap.add_argument("--log-level", default="WARNING", help="every process's log level (DEBUG, INFO, WARNING, ...)")
     ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers; FAULT@i: "
                     "prefill worker i only)")

@@ -107,10 +107,18 @@ json_values = st.recursive(st.none() | st.booleans() | ints | floats | texts,
 token_lists = st.lists(st.one_of(st.integers(0, 511), st.integers(0, 511), ints), max_size=30)
 text_parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "text", "image_url"]),
                                              "text": st.one_of(texts, json_values)}), max_size=2)
+schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": ["string", "null"]}}}
+function = st.fixed_dictionaries({"name": st.sampled_from(["f", "g", ""])}, optional={
+    "description": st.one_of(texts, json_values), "parameters": st.one_of(st.just(schema), json_values)})
+tool = st.fixed_dictionaries({"type": st.sampled_from(["function", "function", "x"]), "function": function})
+call = st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]),
+                              "arguments": st.one_of(st.just('{"a": 1}'), texts, json_values)})
+tool_calls = st.lists(st.fixed_dictionaries({"id": texts, "type": st.just("function"), "function": call}), max_size=2)
 messages = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "assistant", "x", 3]),
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "x", 3]),
      "content": st.one_of(texts, texts, text_parts, json_values)},
-    optional={"name": st.one_of(texts, json_values)}), max_size=3)
+    optional={"name": st.one_of(texts, json_values), "tool_calls": st.one_of(tool_calls, json_values),
+              "tool_call_id": texts}), max_size=3)
 # every field the endpoints read, with plausible values (reaching the workers) beside arbitrary JSON
 PLAUSIBLE = {
     "model": st.sampled_from(["fuzz-model", "other", None]), "prompt": st.one_of(
@@ -124,10 +132,13 @@ PLAUSIBLE = {
     "seed": ints, "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
     "repetition_penalty": st.one_of(st.floats(0, 3), ints), "stop_token_ids": token_lists,
     "ignore_eos": st.booleans(), "min_tokens": ints, "stop": st.one_of(texts, st.lists(texts, max_size=3)),
-    "skip_special_tokens": st.booleans(), "user": texts, "tools": st.sampled_from([[], [{"type": "function"}]]),
-    "tool_choice": st.sampled_from(["none", "auto"]), "response_format": st.sampled_from([{"type": "text"},
+    "skip_special_tokens": st.booleans(), "user": texts, "tools": st.lists(tool, max_size=2),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})})),
+    "parallel_tool_calls": st.booleans(), "response_format": st.sampled_from([{"type": "text"},
                                                                                           {"type": "json_object"}]),
-    "chat_template_kwargs": st.dictionaries(texts, json_values, max_size=2),
+    "chat_template_kwargs": st.one_of(st.fixed_dictionaries({"enable_thinking": st.booleans()}),
+                                      st.dictionaries(texts, json_values, max_size=2)),
     "add_generation_prompt": st.booleans(), "add_special_tokens": st.booleans(), "return_token_strs": st.booleans(),
     "tokens": token_lists,
 }
