@@ -12,7 +12,8 @@ threads. A client that disconnects cancels its gRPC calls (the router then abort
 The event loop only moves bytes: parsing and checking bodies (router/http_fields.py), chat templating,
 tokenization and the detokenization of long token lists run on a bounded thread pool (router/cpu_pool.py), so
 /health and other clients' streams stay quick while a multi-megabyte request is processed. Every error is OpenAI's
-error JSON (router/http_errors.py).
+error JSON (router/http_errors.py). A chat answer is split into `reasoning_content`, `content` and `tool_calls`
+(router/chat_choice.py) by the parsers the server was started with (router/chat_parsers.py).
 """
 
 from __future__ import annotations
