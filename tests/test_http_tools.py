@@ -171,6 +171,21 @@ def test_reasoning_and_tool_calls(fake, stream):
     assert all(c[0].startswith("call_") for c in msg["calls"]) and msg["calls"][0][0] != msg["calls"][1][0]
 
 
+def test_several_choices_each_parse_their_own_answer(fake):
+    router, (url, _, _), _ = fake
+    router.pieces, router.reason = THOUGHT_AND_CALLS, common_pb2.FINISH_REASON_STOP
+    c = client_of(url)
+    kw = {"model": "m", "messages": USER, "tools": TOOLS, "max_tokens": 50, "n": 2}
+    full = c.chat.completions.create(**kw)
+    calls = {}
+    for ch in c.chat.completions.create(stream=True, **kw):
+        for t in ch.choices[0].delta.tool_calls or []:
+            calls.setdefault(ch.choices[0].index, []).append((t.index, t.function.name))
+    assert calls == {i: [(0, "get_weather"), (1, "search")] for i in (0, 1)}
+    ids = [t.id for ch in full.choices for t in ch.message.tool_calls]
+    assert [ch.finish_reason for ch in full.choices] == ["tool_calls"] * 2 and len(set(ids)) == 4
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_thinking_disabled_leaves_everything_content(fake, stream):
     router, (url, _, _), _ = fake

@@ -83,9 +83,10 @@ def test_text_around_several_calls():
 
 def test_multi_line_and_json_values():
     where = '{"lat": 48.85,\n "lon": [2, 3]}'
-    text = call("get_weather", city="New\nYork\n\n(the city)", where=where, tags='["a", "b"]', note="null",
+    text = call("get_weather", city="New\nYork\n\n(São Paulo, 東京 😀)", where=where, tags='["a", "b"]', note="null",
                 limit="null")
-    check(text, None, [("get_weather", {"city": "New\nYork\n\n(the city)", "where": {"lat": 48.85, "lon": [2, 3]},
+    check(text, None, [("get_weather", {"city": "New\nYork\n\n(São Paulo, 東京 😀)",
+                                        "where": {"lat": 48.85, "lon": [2, 3]},
                                         "tags": ["a", "b"], "note": None, "limit": None})])
 
 
