@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from prefill_worker.server import DEFAULT_MAX_QUEUED_PROMPT_TOKENS, FAULTS, PrefillWorker
 from tandem.engine.llm import Engine
 from tandem.rpc import worker_pb2, worker_pb2_grpc
@@ -20,9 +22,11 @@ def add_args(ap) -> None:
     add_server_args(ap, port=50061)
     ap.add_argument("--transfer-backend", default="auto", choices=("auto", *BACKENDS),
                     help="how the state goes to decode workers (auto: by device and host)")
-    ap.add_argument("--max-queued-prompt-tokens", type=int, default=DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+    ap.add_argument("--max-queued-prompt-tokens", type=int, default=None,
                     help="prompt tokens that may wait here (received, not yet prefilled); a prompt beyond is refused "
-                    "at once (RESOURCE_EXHAUSTED, HTTP 429), and the router tries another prefill worker")
+                    "at once (RESOURCE_EXHAUSTED, HTTP 429), and the router tries another prefill worker (default: "
+                    f"about 30 s of prefill: {DEFAULT_MAX_QUEUED_PROMPT_TOKENS['cpu']} on a CPU, "
+                    f"{DEFAULT_MAX_QUEUED_PROMPT_TOKENS['cuda']} on a GPU)")
     ap.add_argument("--inject-fault", default=None, choices=FAULTS, help="testing only")
     add_tls_args(ap)
 
@@ -42,7 +46,8 @@ def main(args) -> int:
     prepare_engine(engine)
     worker = PrefillWorker(engine, fingerprint(args), backend,
                            args.inject_fault, metrics, ssl_context=tls.client_context() if tls else None,
-                           max_queued_prompt_tokens=args.max_queued_prompt_tokens).start()
+                           max_queued_prompt_tokens=args.max_queued_prompt_tokens
+                           or DEFAULT_MAX_QUEUED_PROMPT_TOKENS[torch.device(ecfg.device).type]).start()
     server = Server(tls=tls, interceptors=[internal_auth(token)] if token else [])
     server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, worker,
                worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)

@@ -37,15 +37,15 @@ log = logging.getLogger(__name__)
 # test hooks, off unless asked for on the command line. stall-handoff: the header is accepted, then no payload
 # comes until the hand-off's time is up (a hung link), so the lease on the decode worker expires
 FAULTS = ("corrupt-handoff", "stall-handoff")
-# Queued prompt tokens beyond which a prefill worker refuses new prompts. tandem-tiny prefills ~600 tokens/s on a
-# 2-core CPU (a 3500-token prompt in 4-6 s): 16384 tokens (four prompts of the default max_model_len) is a ~30 s
-# wait there, within the router's 60 s queue timeout; a GPU clears it in well under a second.
-DEFAULT_MAX_QUEUED_PROMPT_TOKENS = 16384
+# Queued prompt tokens beyond which a prefill worker refuses new prompts: about 30 s of prefill, within the router's
+# 60 s queue timeout. tandem-tiny prefills ~600 tokens/s on a 2-core CPU; the 35B-A3B ~65k tokens/s on an H200.
+DEFAULT_MAX_QUEUED_PROMPT_TOKENS = {"cpu": 16384, "cuda": 2 << 20}
 
 
 class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine, fingerprint: str, transfer_backend: str, inject_fault: str | None = None,
-                 metrics=None, ssl_context=None, max_queued_prompt_tokens: int = DEFAULT_MAX_QUEUED_PROMPT_TOKENS):
+                 metrics=None, ssl_context=None,
+                 max_queued_prompt_tokens: int = DEFAULT_MAX_QUEUED_PROMPT_TOKENS["cpu"]):
         if max_queued_prompt_tokens < 1:
             raise ValueError(f"max_queued_prompt_tokens must be at least 1, got {max_queued_prompt_tokens}")
         self.engine, self.fingerprint, self.metrics = engine, fingerprint, metrics

@@ -16,8 +16,8 @@ from aiohttp import web
 log = logging.getLogger(__name__)
 
 # gRPC status -> (HTTP status, OpenAI error type). 5xx only where the server is at fault or cannot serve now:
-# FAILED_PRECONDITION reaches HTTP clients only from the servers' own state (a decode lease that expired while the
-# request waited), so it is a retryable 503, not the client's 400.
+# FAILED_PRECONDITION reaches HTTP clients only from the servers' own state (a lease used twice, say), so it is a
+# retryable 503, not the client's 400.
 GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
