@@ -21,6 +21,7 @@ import time
 import torch
 
 from tandem.client import TandemClient
+from tandem.ops.gdn import prefill_kernel
 from tandem.parallel import check_divisible
 from tandem.rpc.auth import INTERNAL_TOKEN_ENV, load_secret
 from tandem.worker_setup import StopSignal, model_config, require_free_ports
@@ -55,9 +56,10 @@ class Child:
                 return self.announced.get(timeout=0.2)
             except queue.Empty:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was ready")
+                    raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was "
+                                       "ready") from None
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.name} was not ready within {START_TIMEOUT:.0f} s")
+                    raise RuntimeError(f"{self.name} was not ready within {START_TIMEOUT:.0f} s") from None
 
 
 def _engine_argv(args) -> list[str]:
@@ -203,6 +205,7 @@ def serve(args) -> int:
                 f"disaggregated: prefill workers: {', '.join(addresses['prefill'])}; decode workers: "
                 f"{', '.join(addresses['decode'])}")
         print(f"Tandem is serving {args.model} at grpc://{where}{http}  ({mode}). Ctrl-C stops.", flush=True)
+        print(prefill_kernel(_worker_device(args, 0, gpus)), flush=True)
         if metrics:
             print(f"Prometheus metrics: {', '.join(f'http://{m}/metrics' for m in metrics)}", flush=True)
         # pids and addresses per worker: fault tests kill one by pid and find it again after a restart

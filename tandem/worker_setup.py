@@ -100,8 +100,11 @@ def build_worker_model(args, ecfg: EngineConfig):
     """The worker's model (cfg, model, model_dir): with --tensor-parallel-size N, ranks 1..N-1 are started as
     processes of their own (`stop_worker_model` stops them; so does this process's exit)."""
     from tandem.engine.llm import build_model
+    from tandem.ops.gdn import prefill_kernel
 
-    return build_model(args.model, ecfg, args.seed, args.tensor_parallel_size)
+    built = build_model(args.model, ecfg, args.seed, args.tensor_parallel_size)
+    log.info("%s", prefill_kernel(ecfg.device))
+    return built
 
 
 def stop_worker_model(model) -> None:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from tandem.batch import ForwardBatch, to_device
 from tandem.ops.pointwise import gdn_gates, gdn_gates_torch
-from tandem.ops.triton_utils import HAS_TRITON, pdl, use_triton
+from tandem.ops.triton_utils import HAS_TRITON, TORCH_OPS_ONLY, pdl, use_triton
 
 try:  # optional GPU dependency (fla-core): the chunked prefill kernel
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_gated_delta_rule
@@ -59,6 +59,17 @@ FLA_CHUNK = 64  # fla's chunk length (its default); the chunk indices we pass ar
 
 # Requests with more rows than this go to fla's chunked kernel (when present); it must be >= W (= k+1).
 FLA_MIN_ROWS = 64
+
+
+def prefill_kernel(device: str) -> str:
+    """Which kernel runs the delta rule over prompts on `device`, said once at start: without fla-core a GPU
+    serves long prompts through the recurrent kernel, many times slower, and nothing else would show it."""
+    if not (torch.device(device).type == "cuda" and HAS_TRITON and not TORCH_OPS_ONLY):
+        return "GDN prefill: torch reference (no GPU kernels on this device)"
+    if HAS_FLA:
+        return f"GDN prefill: fla-core's chunked kernel above {FLA_MIN_ROWS} rows, Triton's recurrent kernel below"
+    return ("GDN prefill: Triton's recurrent kernel at every length; fla-core is not installed, so long prompts "
+            "prefill many times slower (pip install 'tandem[gpu]')")
 
 
 def pending_width(conv_dim: int, nk: int, dk: int, nv: int, dv: int) -> int:
