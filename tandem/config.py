@@ -223,8 +223,14 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048  # the chunked-prefill token budget of one step
-    num_kv_blocks: int | None = None  # None: enough for max_num_seqs full-length sequences
-    num_state_slots: int | None = None  # None: max_num_seqs (one a request)
+    # The caches' sizes (`tandem/cache/sizing.py`). num_kv_blocks (the null block included) overrides the rest;
+    # else kv_cache_memory_bytes (KV blocks + GDN state slots) is split between them; else on a GPU what is left of
+    # gpu_memory_utilization x the device's memory after the weights and a profile step; else (a CPU) enough
+    # blocks for max_num_seqs full-length sequences.
+    num_kv_blocks: int | None = None
+    num_state_slots: int | None = None  # None: max_num_seqs (one a request), or what the memory split gives
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     num_speculative_tokens: int = 0  # MTP drafts verified per decode step (0: no speculation)
     # Benchmark only: force the acceptance probability of each draft position (e.g. (0.84, 0.66)) so throughput
     # at a realistic acceptance can be measured on random weights. Outputs produced under it are labelled emulated.
@@ -246,9 +252,14 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
-        if self.num_kv_blocks is None:
-            per_seq = -(-self.max_model_len // self.block_size)
-            self.num_kv_blocks = self.max_num_seqs * per_seq + 1  # + the null block
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ConfigError(f"kv_cache_memory_bytes: must be positive, got {self.kv_cache_memory_bytes!r}")
+        if self.num_kv_blocks is None and self.kv_cache_memory_bytes is None and not self.device.startswith("cuda"):
+            self.num_kv_blocks = self.max_num_seqs * self.blocks_per_seq + 1  # + the null block
+        if self.num_kv_blocks is not None:
+            self.check_blocks(self.num_kv_blocks)
         if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 4:
             raise ConfigError(f"num_speculative_tokens: must be 0..4, got {self.num_speculative_tokens!r}")
         if self.max_num_batched_tokens < 1 + self.num_speculative_tokens:
@@ -260,5 +271,20 @@ class EngineConfig:
                 raise ConfigError(f"emulated_acceptance: needs {self.num_speculative_tokens} probabilities in [0, 1], "
                                   f"got {self.emulated_acceptance!r}")
             self.emulated_acceptance = rates
-        if self.num_state_slots is None:
+        if self.num_state_slots is None and self.num_kv_blocks is not None:
             self.num_state_slots = self.max_num_seqs
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """KV blocks of one max_model_len request."""
+        return -(-self.max_model_len // self.block_size)
+
+    def check_blocks(self, num_kv_blocks: int) -> None:
+        """A pool of `num_kv_blocks` (the null block included) must hold one max_model_len request: a request
+        that fits max_model_len then always finishes, alone if it must."""
+        if num_kv_blocks - 1 < self.blocks_per_seq:
+            raise ConfigError(
+                f"the KV cache holds {num_kv_blocks - 1} blocks of {self.block_size} tokens "
+                f"({(num_kv_blocks - 1) * self.block_size} tokens); one max_model_len ({self.max_model_len}) request "
+                f"needs {self.blocks_per_seq}: give the cache more memory, or lower max_model_len (the largest "
+                f"max_model_len that fits is {(num_kv_blocks - 1) * self.block_size})")

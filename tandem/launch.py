@@ -24,7 +24,7 @@ from tandem.client import TandemClient
 from tandem.ops.gdn import prefill_kernel
 from tandem.parallel import check_divisible
 from tandem.rpc.auth import INTERNAL_TOKEN_ENV, load_secret
-from tandem.worker_setup import StopSignal, model_config, require_free_ports
+from tandem.worker_setup import StopSignal, model_config, require_free_ports, resolve_engine_args
 
 START_TIMEOUT = 300.0
 
@@ -70,6 +70,9 @@ def _engine_argv(args) -> list[str]:
             "--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.num_kv_blocks:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.kv_cache_memory_bytes:
+        argv += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
+    argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
     if args.emulated_acceptance:
@@ -156,6 +159,8 @@ def serve(args) -> int:
     stopping = StopSignal()
     try:
         deadline = time.monotonic() + START_TIMEOUT
+        # the router and every worker get the same dtype and limits: those of the first worker's device
+        resolve_engine_args(args, _worker_device(args, 0, gpus))
         workers = {"prefill": [], "decode": []}
         for role, n in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
             for i in range(n):

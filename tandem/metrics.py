@@ -63,6 +63,11 @@ _SPECS = (
     _Spec("num_requests_waiting", Gauge, "Requests queued, not yet scheduled.", ROLES),
     _Spec("kv_cache_usage_perc", Gauge, "Fraction of attention KV blocks in use (0..1).", _P + _D),
     _Spec("gdn_state_slot_usage_perc", Gauge, "Fraction of Gated-DeltaNet state slots in use (0..1).", _P + _D),
+    _Spec("num_preemptions_total", Counter, "Requests preempted (blocks and slot freed, recomputed later) because "
+          "the running ones needed more KV blocks than were free.", _P + _D),
+    _Spec("cache_config_info", Gauge, "Information of the cache config (1; the labels say it): KV blocks (the null "
+          "block included), tokens a block holds, GDN state slots.", _P + _D,
+          ("num_gpu_blocks", "block_size", "num_state_slots")),
     _Spec("request_success_total", Counter, "Finished requests by finish reason.", _R, ("finished_reason",)),
     _Spec("prompt_tokens_total", Counter, "Prompt tokens processed.", _R + _P),
     _Spec("generation_tokens_total", Counter, "Tokens generated.", _R + _D),
@@ -136,6 +141,7 @@ class Metrics:
         if self.role is not None and self.role not in ROLES:
             raise ValueError(f"role: {self.role!r} is not one of {ROLES}")
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._preemptions_seen, self._cache_config_set = 0, False
         self.families = {}
         for s in _SPECS:
             kw = {"buckets": s.buckets} if s.buckets else {}
@@ -181,6 +187,10 @@ class Metrics:
             raise ValueError(f"kind: {kind!r} is not one of {STEP_KINDS}")
         return self.families[attr].labels(self.model_name, self.worker, kind)
 
+    def cache_config_info(self, num_gpu_blocks: int, block_size: int, num_state_slots: int):
+        return self.families["cache_config_info"].labels(self.model_name, self.worker, str(num_gpu_blocks),
+                                                         str(block_size), str(num_state_slots))
+
     def handoff_failures_total(self, reason: str):
         return self.families["handoff_failures_total"].labels(self.model_name, self.worker, reason)
 
@@ -205,6 +215,17 @@ class Metrics:
         self.spec_decode_num_accepted_tokens_total.inc(sum(accepted_per_position))
         for pos, n in enumerate(accepted_per_position):
             self.spec_decode_num_accepted_tokens_per_pos_total(pos).inc(n)
+
+    def record_preemptions(self, total: int) -> None:
+        """The engine's preemptions so far (its counter); the metric gains what is new."""
+        if total != self._preemptions_seen:
+            self.num_preemptions_total.inc(total - self._preemptions_seen)
+            self._preemptions_seen = total
+
+    def set_cache_config(self, num_gpu_blocks: int, block_size: int, num_state_slots: int) -> None:
+        if not self._cache_config_set:  # fixed for the process's life: one series
+            self.cache_config_info(num_gpu_blocks, block_size, num_state_slots).set(1)
+            self._cache_config_set = True
 
     def handoff_done(self, nbytes: int, seconds: float) -> None:
         self.handoff_bytes_total.inc(nbytes)
@@ -243,6 +264,8 @@ def observe_engine(m: Metrics, engine) -> None:
     m.num_requests_waiting.set(len(sched.waiting))
     m.kv_cache_usage_perc.set(pools.blocks.num_used / pools.blocks.capacity)
     m.gdn_state_slot_usage_perc.set(pools.slots.num_used / pools.slots.capacity)
+    m.record_preemptions(sched.num_preemptions)
+    m.set_cache_config(engine.ecfg.num_kv_blocks, engine.ecfg.block_size, engine.ecfg.num_state_slots)
 
 
 def start_http_server(port: int, host: str = "0.0.0.0", registry: CollectorRegistry | None = None):

@@ -22,18 +22,33 @@ log = logging.getLogger(__name__)
 # package is installed without it).
 _REPO_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tandem-tiny")
 DEFAULT_MODEL = _REPO_MODEL if os.path.isdir(_REPO_MODEL) else "tiny-moe"
+# Defaults that depend on the device. On a CPU the caches are sized for max_num_seqs full-length requests unless
+# --kv-cache-memory-bytes says otherwise, so its max_model_len stays short.
+CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS = 4096, 64, 256
 
 
 def add_engine_args(ap) -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or preset name")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto: the checkpoint's dtype on a GPU (bfloat16 for a preset), float32 on a CPU")
     ap.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when available)")
     ap.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help=f"longest prompt + output in tokens (default: the checkpoint's max_position_embeddings on a "
+                    f"GPU; at most {CPU_MAX_MODEL_LEN} on a CPU)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help=f"most requests running at once (default: {GPU_MAX_NUM_SEQS} on a GPU, {CPU_MAX_NUM_SEQS} "
+                    "on a CPU; lowered to the GDN state slots that fit)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="share of the GPU's memory this worker may use: what the weights and the largest step "
+                    "leave of it goes to the KV blocks and GDN state slots")
+    ap.add_argument("--kv-cache-memory-bytes", type=memory_bytes, default=None,
+                    help="bytes for the KV blocks and GDN state slots (e.g. 8Gi, 500M), instead of "
+                    "--gpu-memory-utilization; the way to size the caches on a CPU")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="KV blocks (the null block included), overriding the sizes above")
     ap.add_argument("--num-speculative-tokens", type=int, default=2, help="MTP drafts per step (0: off)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode or prefill steps (debugging)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -86,10 +101,53 @@ def require_free_ports(host: str, ports: dict[str, int | None]) -> None:
                 raise SystemExit(f"error: cannot listen on {host}:{port} ({what}): {e.strerror}") from None
 
 
+def memory_bytes(text: str) -> int:
+    """'8589934592', '8G' (10^9) or '8Gi' (2^30); K, M, T likewise."""
+    units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    t = text.strip().upper().removesuffix("B")
+    digits = t.rstrip("KMGTI")
+    try:
+        return int(float(digits) * units[t[len(digits):]])
+    except (ValueError, KeyError):
+        raise ValueError(f"not a size in bytes: {text!r}") from None
+
+
+def resolve_engine_args(args, device: str | None = None) -> None:
+    """Fills the engine flags left to their defaults (--dtype auto, --max-model-len, --max-num-seqs) in place,
+    from the device (`device`, else --device, else cuda when available) and the checkpoint, so that whatever
+    reads args afterwards (the fingerprint, the router's limits) sees what the engine gets."""
+    device = device or args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.startswith("cuda")
+    if args.dtype == "auto":
+        args.dtype = checkpoint_dtype(args.model) if gpu else "float32"
+    if args.max_model_len is None:
+        native = model_config(args.model).max_position_embeddings
+        args.max_model_len = native if gpu else min(CPU_MAX_MODEL_LEN, native)
+    if args.max_num_seqs is None:
+        args.max_num_seqs = GPU_MAX_NUM_SEQS if gpu else CPU_MAX_NUM_SEQS
+
+
+def checkpoint_dtype(model: str) -> str:
+    """The dtype a checkpoint's config.json names (`torch_dtype`, or `dtype`); bfloat16 for a preset."""
+    if not os.path.isdir(model):
+        return "bfloat16"
+    with open(os.path.join(model, "config.json")) as f:
+        raw = json.load(f)
+    for part in (raw, raw.get("text_config") or {}):
+        name = part.get("torch_dtype") or part.get("dtype")
+        if name in ("float32", "bfloat16", "float16"):
+            return name
+    return "bfloat16"
+
+
 def engine_config(args) -> EngineConfig:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    resolve_engine_args(args, device)
     return EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
                         num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=device,
                         cuda_graphs=False if args.enforce_eager else None,
                         emulated_acceptance=tuple(float(r) for r in args.emulated_acceptance.split(","))

@@ -14,7 +14,8 @@ import pytest
 
 def engine(**kw):
     cfg = preset_config("tiny-moe")
-    return Engine(cfg, random_model(cfg, "cpu", torch.float32), EngineConfig(block_size=4, max_model_len=64, **kw))
+    kw = {"max_model_len": 64, **kw}
+    return Engine(cfg, random_model(cfg, "cpu", torch.float32), EngineConfig(block_size=4, **kw))
 
 
 def test_counts_return_to_zero_with_aborts_at_every_stage():
@@ -43,19 +44,20 @@ def test_engine_refuses_a_model_of_another_dtype():
         Engine(cfg, random_model(cfg, "cpu", torch.bfloat16), EngineConfig(block_size=4, max_model_len=64))
 
 
-def test_admission_waits_for_free_blocks():
-    # 9 usable blocks of 4 tokens: one 20-token request (5 blocks) at a time
-    eng = engine(max_num_seqs=4, num_kv_blocks=10)
+def test_requests_grow_into_the_pool_and_the_newest_is_preempted():
+    # 9 usable blocks of 4 tokens; two requests of 20 tokens (5 blocks each) both start, as nothing reserves
+    # max_tokens, and the newer one is preempted when the older one needs its blocks
+    eng = engine(max_num_seqs=4, num_kv_blocks=10, max_model_len=36)
     for i in range(2):
         eng.add_request(f"r{i}", list(range(2, 12)), SamplingParams(max_tokens=10, ignore_eos=True))
     eng.step()
-    assert len(eng.scheduler.running) == 1 and len(eng.scheduler.waiting) == 1
+    assert len(eng.scheduler.running) == 2 and not eng.scheduler.waiting
     done = []
     while eng.has_work():
         done += eng.step()
     assert [s.request_id for s in done] == ["r0", "r1"] and all(len(s.output_token_ids) == 10 for s in done)
-    with pytest.raises(ValueError, match="KV blocks"):
-        eng.add_request("big", list(range(2, 40)), SamplingParams(max_tokens=20))
+    assert eng.scheduler.num_preemptions >= 1 and done[1].num_preemptions >= 1 and done[0].num_preemptions == 0
+    assert eng.pools.blocks.num_used == 0 and eng.pools.slots.num_used == 0
 
 
 def test_allocator_rejects_double_free():

@@ -40,6 +40,8 @@ def touch_everything(m: Metrics):
     m.set_worker_healthy("prefill-0", "prefill", True)
     m.engine_step_seconds("mixed").observe(0.08)
     m.engine_step_prompt_tokens_total("mixed").inc(1820)
+    m.record_preemptions(2)
+    m.set_cache_config(num_gpu_blocks=1025, block_size=16, num_state_slots=64)
 
 
 def test_exposed_names_equal_names():

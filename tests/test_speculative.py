@@ -68,7 +68,8 @@ def test_verify_states_equal_token_by_token(k):
         a, b = (Sequence(n, list(prompt), SamplingParams(max_tokens=8)) for n in "ab")
         for s in (a, b):
             eng.scheduler.add(s)
-            assert eng.scheduler._try_admit(eng.scheduler.waiting.popleft())
+            eng.scheduler.waiting.popleft()
+            assert eng.scheduler._allocate(s, 9 + 8)  # blocks for its whole length: the steps below run by hand
         eng.runner.run([ScheduledChunk(a, 9), ScheduledChunk(b, 9)])
         a.output_token_ids, a.drafts = verify[:1], verify[1:]
         eng.runner.run([ScheduledChunk(a, k + 1)])  # a verify step: its rows stay pending in the GDN layers

@@ -7,13 +7,14 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from tandem.cache.handoff import gather_state, scatter_state
 from tandem.cache.pools import CachePools
-from tandem.config import EngineConfig, ModelConfig
+from tandem.cache.sizing import GIB, cache_bytes, log_capacity, size_caches
+from tandem.config import ConfigError, EngineConfig, ModelConfig
 from tandem.engine.runner import ModelRunner
 from tandem.engine.graphs import DecodeGraphs
 from tandem.engine.prefill_graphs import MAX_GRAPH_TOKENS
@@ -61,7 +62,13 @@ def build_model(model: str, ecfg: EngineConfig, seed: int = 0, tensor_parallel_s
     (cfg, model, model_dir)."""
     if tensor_parallel_size == 1:
         return load_model(model, ecfg.device, ecfg.dtype, seed)
-    check_divisible(model_config(model)[0], tensor_parallel_size)  # before starting any process
+    cfg = model_config(model)[0]
+    check_divisible(cfg, tensor_parallel_size)  # before starting any process
+    if ecfg.num_kv_blocks is None:  # every rank builds its pools of these sizes when it starts
+        if ecfg.kv_cache_memory_bytes is None:
+            raise ConfigError("with tensor parallelism on GPUs, size the caches with kv_cache_memory_bytes "
+                              "(--kv-cache-memory-bytes, per GPU) or num_kv_blocks")
+        size_caches(cfg, ecfg, cfg.num_mtp_layers > 0, ecfg.kv_cache_memory_bytes, tensor_parallel_size)
     return launch(model, ecfg, seed, tensor_parallel_size)
 
 
@@ -131,19 +138,75 @@ class Engine:
         if model.lm_head_weight.dtype != ecfg.dtype:  # the caches follow ecfg: kernels cannot mix the two
             raise ValueError(f"the model is {model.lm_head_weight.dtype} but the engine config says {ecfg.dtype}")
         self.tp = getattr(model, "tp", SINGLE)
-        self.pools = CachePools(cfg, ecfg, with_mtp=hasattr(model, "mtp"), tp=self.tp)
-        if isinstance(model, LeaderModel):
-            model.attach(self.pools)
+        self.prefill_only = prefill_only
         self.spec_stats = SpecStats(ecfg.num_speculative_tokens)
         self._emulation_rng = random.Random(0)
-        self.scheduler = Scheduler(ecfg, self.pools, prefill_only)
-        graphs = ecfg.cuda_graphs and self.tp.world_size == 1
-        self.runner = ModelRunner(model, self.pools, ecfg, piecewise=graphs)
-        self.graphs = DecodeGraphs(model, self.pools, ecfg) if graphs and not prefill_only else None
         self.generators: dict[str, torch.Generator] = {}
         self.sequences: dict[str, Sequence] = {}
         self.last_step: StepShape | None = None  # of the latest step (None: it had nothing to run)
         self.on_launch = None  # called once a step's forward is on the device, before the step waits for it
+        with_mtp = hasattr(model, "mtp")
+        if ecfg.num_kv_blocks is None:
+            budget = ecfg.kv_cache_memory_bytes
+            if budget is None:
+                budget = self._profiled_budget(model)
+            size_caches(cfg, ecfg, with_mtp, budget, self.tp.world_size)
+        self._build_caches(model)
+        log_capacity(ecfg, cache_bytes(cfg, ecfg, with_mtp, self.tp.world_size))
+
+    def _build_caches(self, model) -> None:
+        """The pools of `self.ecfg`'s sizes, and what holds them: the scheduler, the runner, the decode graphs."""
+        ecfg = self.ecfg
+        self.pools = CachePools(self.cfg, ecfg, with_mtp=hasattr(model, "mtp"), tp=self.tp)
+        if isinstance(model, LeaderModel):
+            model.attach(self.pools)
+        self.scheduler = Scheduler(ecfg, self.pools, self.prefill_only)
+        graphs = ecfg.cuda_graphs and self.tp.world_size == 1
+        self.runner = ModelRunner(model, self.pools, ecfg, piecewise=graphs)
+        self.graphs = DecodeGraphs(model, self.pools, ecfg) if graphs and not self.prefill_only else None
+
+    def _profiled_budget(self, model) -> int:
+        """On a GPU: the bytes the caches may take, gpu_memory_utilization x the device's memory less what this
+        process holds beside them: the weights and the CUDA context now, and the peak of the largest steps (a
+        step of the whole token budget, and a decode step of max_num_seqs requests with sampling and drafting),
+        run on the smallest pools that serve them."""
+        ecfg = self.ecfg
+        if not ecfg.device.startswith("cuda") or self.tp.world_size > 1:
+            raise ConfigError("size the caches with kv_cache_memory_bytes or num_kv_blocks (memory is profiled on "
+                              "one GPU only)")
+        dev = torch.device(ecfg.device)
+        self.ecfg = replace(ecfg, num_kv_blocks=ecfg.blocks_per_seq + 1, num_state_slots=ecfg.max_num_seqs,
+                            cuda_graphs=False)
+        self._build_caches(model)
+        probe_bytes = cache_bytes(self.cfg, self.ecfg, hasattr(model, "mtp"))
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        room = ecfg.max_model_len - 2 - ecfg.num_speculative_tokens
+        params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, logprobs=1)
+        for lengths in (_prompts(ecfg.max_num_batched_tokens, room), [1] * ecfg.max_num_seqs):
+            ids = [f"__profile-{i}" for i in range(len(lengths))]
+            for rid, n in zip(ids, lengths):
+                self.add_request(rid, [i % self.cfg.vocab_size for i in range(n)], params)
+            while self.has_work():
+                self.step()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        self.pools = self.scheduler = self.runner = self.graphs = None
+        self.ecfg = ecfg
+        self.spec_stats = SpecStats(ecfg.num_speculative_tokens)  # the profile's drafts are no one's
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        activations = max(0, peak - probe_bytes)
+        budget = int(ecfg.gpu_memory_utilization * total) - (total - free) - activations
+        log.info("memory profile: %.2f GiB of %.2f GiB in use after loading (weights, CUDA context), %.2f GiB peak "
+                 "of the largest steps: %.2f GiB left for the caches at gpu_memory_utilization %.2f",
+                 (total - free) / GIB, total / GIB, activations / GIB, max(budget, 0) / GIB,
+                 ecfg.gpu_memory_utilization)
+        if budget <= 0:
+            raise ConfigError(f"no memory left for the KV cache at gpu_memory_utilization "
+                              f"{ecfg.gpu_memory_utilization}: raise it or load a smaller model")
+        return budget
 
     def capture_graphs(self) -> None:
         """Captures the decode graph of every batch bucket and the prefill graphs of every token bucket now (a
@@ -363,8 +426,8 @@ class Engine:
         rows, targets, owners = [], [], []
         for i, c in enumerate(chunks):
             seq = c.seq
-            if seq.params.prompt_logprobs is None:
-                continue
+            if seq.params.prompt_logprobs is None or len(seq.prompt_logprobs) == len(seq.prompt_token_ids):
+                continue  # none asked, or all computed before a preemption
             first_pos = seq.num_computed - c.num_tokens
             if first_pos == 0:
                 seq.prompt_logprobs = [None]  # nothing comes before the first prompt token
@@ -503,13 +566,20 @@ class LLM:
     `tensor_parallel_size` > 1 spawns ranks 1.. as processes of their own (gloo on the CPU, NCCL with one GPU
     per rank); this process is rank 0. `close()` (or leaving a `with` block, or exit) stops them."""
 
-    def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str | None = None,
+    def __init__(self, model: str, dtype: str | torch.dtype = "auto", device: str | None = None,
                  max_num_seqs: int = 64, max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
                  block_size: int = 16, seed: int = 0, speculative_config: dict | None = None,
                  emulated_acceptance: tuple[float, ...] | None = None, tensor_parallel_size: int = 1,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, kv_cache_memory_bytes: int | None = None,
+                 gpu_memory_utilization: float = 0.9, num_kv_blocks: int | None = None):
+        from tandem.worker_setup import checkpoint_dtype
+
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype == "auto":  # float32 on a CPU, where bf16 is slow
+            dtype = checkpoint_dtype(model) if device.startswith("cuda") else "float32"
         ecfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                            kv_cache_memory_bytes=kv_cache_memory_bytes, num_kv_blocks=num_kv_blocks,
+                            gpu_memory_utilization=gpu_memory_utilization,
                             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
                             num_speculative_tokens=parse_speculative_config(speculative_config),
                             emulated_acceptance=emulated_acceptance, cuda_graphs=cuda_graphs)

@@ -123,7 +123,9 @@ class EngineLoop:
                     if not self._calls and not self._stopped:
                         self._cond.wait(self._idle_wait)
                 continue
-            active = list(self.engine.scheduler.running)
+            # with the preempted requests, which may come back and finish within this step
+            sched = self.engine.scheduler
+            active = list(sched.running) + [s for s in sched.waiting if s.num_preemptions]
             try:
                 t0 = time.perf_counter()
                 try:

@@ -52,9 +52,9 @@ class ModelRunner:
                                                     for seq, _, _ in items), n * width).reshape(n, width)
         slot_mapping = tables[row_req, positions // bs] * bs + positions % bs
         # with speculation, a decode request's rows (its last token and drafts) stay pending in the GDN layers
-        # until its acceptance is known (`Sequence.kept`); prompt rows are committed
+        # until its acceptance is known (`Sequence.kept`); prompt rows (recomputed ones too) are committed
         spec = self.ecfg.num_speculative_tokens > 0
-        pending = ints(itertools.chain.from_iterable(seq.pending(spec and p >= len(seq.prompt_token_ids))
+        pending = ints(itertools.chain.from_iterable(seq.pending(spec and p >= seq.prefill_len)
                                                      for seq, p, _ in items), 2 * n).reshape(n, 2)
         # all int64, as in the decode graphs' buffers: the kernels then compile one variant for both
         (input_ids, positions_d, slot_mapping_d, state_slots, state_replay, state_pending, logits_indices, qsl_d,

@@ -1,13 +1,18 @@
-"""Continuous batching with chunked prefill.
+"""Continuous batching with chunked prefill, blocks allocated as requests grow, and preemption.
 
 Each step: every running request past its prompt decodes (one token, or its last token plus its k MTP drafts to
-verify; decode rows first), then prompt chunks fill
-the rest of the token budget, oldest first. A request is admitted only when `max_num_seqs` allows and its KV
-blocks (for its whole possible length, so it never needs preemption) and a GDN state slot are free.
+verify; decode rows first), then prompt chunks fill the rest of the token budget, oldest first, then waiting
+requests are admitted. A request is admitted when `max_num_seqs` allows, a GDN state slot is free and the blocks
+of its first chunk are, with a watermark of free blocks left over (so the running requests have room to grow
+before anyone is preempted). Nothing is reserved for `max_tokens`: each step allocates the blocks its rows write
+(the verify rows, and the MTP head's k rows past them). When a request cannot get them, the newest running request
+not yet scheduled in this step is preempted: its blocks and slot are freed and it goes back to the front of the
+waiting queue, to recompute its prompt and the tokens it generated as one prompt (`Sequence.preempted`); it then
+continues exactly where it stopped. No request is admitted in a step that preempted one.
 
-Disaggregated roles: a prefill-only scheduler holds blocks for the prompt plus the MTP drafts only (the request
-leaves once its first token is sampled); a decode worker `reserve`s a request's full capacity up front (a lease)
-and `admit_prefilled` puts it straight into the running batch once its state has been copied in.
+Disaggregated roles: a prefill-only scheduler's requests leave once their first token is sampled; a decode worker
+`reserve`s a request's prompt blocks (+ the first token and k drafts) and a slot up front (a lease), and
+`admit_prefilled` puts it straight into the running batch once its state has been copied in; it grows from there.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from tandem.cache.pools import CachePools
 from tandem.config import EngineConfig
 from tandem.engine.sequence import Sequence, Status
 from tandem.profiling import traced
+
+WATERMARK = 0.01  # share of the KV blocks admission leaves free (at least one block), as vLLM's block manager
 
 
 @dataclass
@@ -36,54 +43,65 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserved: list[Sequence] = []
+        self.num_preemptions = 0
+        self.watermark = max(1, int(WATERMARK * pools.blocks.capacity))
 
     def add(self, seq: Sequence) -> None:
         self._validate(seq)
         self.waiting.append(seq)
 
     def _validate(self, seq: Sequence) -> None:
-        max_len = len(seq.prompt_token_ids) + seq.params.max_tokens
-        spec = self.ecfg.num_speculative_tokens
-        if len(seq.prompt_token_ids) == 0:
+        prompt, spec = len(seq.prompt_token_ids), self.ecfg.num_speculative_tokens
+        if prompt == 0:
             raise ValueError("prompt must contain at least one token")
-        if max_len + spec > self.ecfg.max_model_len:
+        if prompt + seq.params.max_tokens + spec > self.ecfg.max_model_len:
             raise ValueError(
-                f"prompt ({len(seq.prompt_token_ids)} tokens) + max_tokens ({seq.params.max_tokens}) exceeds "
+                f"prompt ({prompt} tokens) + max_tokens ({seq.params.max_tokens}) exceeds "
                 f"max_model_len ({self.ecfg.max_model_len})")
-        if self._blocks_needed(seq) > self.pools.blocks.capacity:
-            raise ValueError(f"request needs {self._blocks_needed(seq)} KV blocks; the pool has {self.pools.blocks.capacity}")
+        # every request that passes holds the pool alone (`EngineConfig.check_blocks`), so it can always finish
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _blocks_needed(self, seq: Sequence) -> int:
-        # a verify step writes KV for up to k positions beyond the last accepted token; a prefill-only worker
-        # writes the prompt, the first token's MTP row and k-1 recursive MTP rows
+    def _max_tokens(self, seq: Sequence) -> int:
+        """The most positions a request ever writes: a verify step writes KV up to k positions past its last
+        accepted token; a prefill-only worker's request writes its prompt, the first token's MTP row and k-1
+        recursive MTP rows."""
         k = self.ecfg.num_speculative_tokens
-        tokens = len(seq.prompt_token_ids) + (1 + k if self.prefill_only else seq.params.max_tokens + k)
-        return -(-tokens // self.ecfg.block_size)
+        return len(seq.prompt_token_ids) + (1 + k if self.prefill_only else seq.params.max_tokens + k)
 
-    def _allocate(self, seq: Sequence) -> bool:
-        need = self._blocks_needed(seq)
-        if len(self.running) + len(self.reserved) >= self.ecfg.max_num_seqs \
-                or not self.pools.blocks.can_allocate(need) or not self.pools.slots.can_allocate(1):
-            return False
-        seq.block_ids = self.pools.blocks.allocate(need)
-        seq.state_slots = self.pools.allocate_slots(1)
-        seq.scheduled_time = time.monotonic()
+    def _blocks(self, seq: Sequence, tokens: int) -> int:
+        return -(-min(tokens, self._max_tokens(seq)) // self.ecfg.block_size)
+
+    def _missing_blocks(self, seq: Sequence, rows: int) -> int:
+        """Blocks `seq` lacks for a step of `rows` rows from num_computed: the rows, and the k rows the MTP head
+        may write past them (the recursive drafts)."""
+        return self._blocks(seq, seq.num_computed + rows + self.ecfg.num_speculative_tokens) - len(seq.block_ids)
+
+    def _grow(self, seq: Sequence, rows: int) -> bool:
+        need = self._missing_blocks(seq, rows)
+        if need > 0:
+            if not self.pools.blocks.can_allocate(need):
+                return False
+            seq.block_ids += self.pools.blocks.allocate(need)
         return True
 
-    def _try_admit(self, seq: Sequence) -> bool:
-        if not self._allocate(seq):
+    def _allocate(self, seq: Sequence, rows: int) -> bool:
+        """Blocks for `rows` rows and a state slot for a request that holds none, leaving the watermark free."""
+        if len(self.running) + len(self.reserved) >= self.ecfg.max_num_seqs or not self.pools.slots.can_allocate(1) \
+                or not self.pools.blocks.can_allocate(self._missing_blocks(seq, rows) + self.watermark):
             return False
-        seq.status = Status.RUNNING
-        self.running.append(seq)
+        self._grow(seq, rows)
+        seq.state_slots = self.pools.allocate_slots(1)
+        if seq.scheduled_time is None:
+            seq.scheduled_time = time.monotonic()
         return True
 
     def reserve(self, seq: Sequence) -> bool:
-        """Holds the whole capacity of a request whose prompt is prefilled elsewhere; False when it does not fit now."""
+        """Holds the prompt's blocks (with room for the first token and its drafts) and a slot for a request
+        prefilled elsewhere; False when they are not free now."""
         self._validate(seq)
-        if not self._allocate(seq):
+        if not self._allocate(seq, len(seq.prompt_token_ids) + 1):
             return False
         seq.status = Status.RESERVED
         self.reserved.append(seq)
@@ -95,27 +113,57 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pools.blocks.free(seq.block_ids)
+        self.pools.slots.free(seq.state_slots)
+        seq.preempted()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _fit(self, seq: Sequence, rows: int, scheduled: set[int]) -> bool:
+        """Grows `seq` for a step of `rows` rows, preempting the newest running requests not scheduled yet (`seq`
+        itself last) until it fits; False when `seq` was preempted."""
+        while not self._grow(seq, rows):
+            victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
     @traced
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.ecfg.max_num_batched_tokens
-        chunks = []
-        for s in self.running:
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+        preempted = self.num_preemptions
+
+        def take(seq: Sequence, rows: int) -> None:
+            nonlocal budget
+            chunks.append(ScheduledChunk(seq, rows))
+            scheduled.add(id(seq))
+            budget -= rows
+
+        for s in list(self.running):
             n = 1 + len(s.drafts)
-            if not s.in_prefill and n <= budget:
-                chunks.append(ScheduledChunk(s, n))
-                budget -= n
-        for s in self.running:
+            if s.status == Status.RUNNING and not s.in_prefill and n <= budget and self._fit(s, n, scheduled):
+                take(s, n)
+        for s in list(self.running):
             if budget == 0:
                 break
-            if s.in_prefill:
-                n = min(budget, len(s.prompt_token_ids) - s.num_computed)
-                chunks.append(ScheduledChunk(s, n))
-                budget -= n
-        while budget > 0 and self.waiting and self._try_admit(self.waiting[0]):
-            s = self.waiting.popleft()
-            n = min(budget, len(s.prompt_token_ids))
-            chunks.append(ScheduledChunk(s, n))
-            budget -= n
+            if s.status == Status.RUNNING and s.in_prefill:
+                n = min(budget, s.prefill_len - s.num_computed)
+                if self._fit(s, n, scheduled):
+                    take(s, n)
+        while budget > 0 and self.waiting and self.num_preemptions == preempted:
+            s = self.waiting[0]
+            n = min(budget, s.prefill_len)
+            if not self._allocate(s, n):
+                break
+            self.waiting.popleft()
+            s.status = Status.RUNNING
+            self.running.append(s)
+            take(s, n)
         return chunks
 
     def finish(self, seq: Sequence, reason: str) -> None:

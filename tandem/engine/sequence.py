@@ -28,6 +28,9 @@ class Sequence:
     # layout); each dict holds the top-n tokens' logprobs and the prompt token's own
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV/state is in the cache
+    # tokens computed as a prompt before decoding: the prompt, or after a preemption every token so far (its
+    # outputs stay outputs; they are only recomputed)
+    prefill_len: int = -1
     block_ids: list[int] = field(default_factory=list)
     # the GDN state slot (one, in a list as leases carry it). A verify step's rows stay pending in one of the
     # slot's two buffers (`pending_buffer`) until the next step replays the accepted ones (`pending_rows`).
@@ -40,6 +43,11 @@ class Sequence:
     # time.monotonic() stamps for the latency metrics
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # blocks and slots allocated (admitted, or reserved)
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if self.prefill_len < 0:
+            self.prefill_len = len(self.prompt_token_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -63,6 +71,15 @@ class Sequence:
         """After a step that kept its rows: the next step replays the first `accepted_rows` of them."""
         self.pending_rows, self.pending_buffer = accepted_rows, 1 - self.pending_buffer
 
+    def preempted(self) -> None:
+        """Its blocks and slot were taken back: everything so far is recomputed as a prompt, drafts included."""
+        self.prefill_len = self.num_tokens
+        self.num_computed = self.pending_rows = self.pending_buffer = 0
+        self.drafts = []
+        self.block_ids, self.state_slots = [], []
+        self.status = Status.WAITING
+        self.num_preemptions += 1
+
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_token_ids)
+        return self.num_computed < self.prefill_len

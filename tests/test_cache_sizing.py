@@ -1,0 +1,70 @@
+"""Caches sized from a memory budget (kv_cache_memory_bytes): the pools' tensors fill it, slots bound the running
+requests, and a budget that cannot hold one max-length request is refused with what it has and needs."""
+
+import logging
+
+import pytest
+import torch
+
+from tandem.config import ConfigError, EngineConfig
+from tandem.engine.llm import Engine
+from tandem.model.presets import preset_config, random_model
+
+CFG = preset_config("tiny-moe")
+MODEL = random_model(CFG, "cpu", torch.float32)
+
+
+def pool_bytes(eng: Engine) -> int:
+    """Every byte the pools' tensors hold, counted from the tensors themselves."""
+    seen, total = set(), 0
+    tensors = [t for cache in eng.pools.layer_caches for t in cache] + list(eng.pools.mtp_cache or ())
+    for t in tensors:
+        base = t.untyped_storage()
+        if base.data_ptr() not in seen:
+            seen.add(base.data_ptr())
+            total += base.nbytes()
+    return total
+
+
+def engine(**kw) -> Engine:
+    kw = {"block_size": 4, "max_model_len": 64, "num_speculative_tokens": 2, **kw}
+    return Engine(CFG, MODEL, EngineConfig(**kw))
+
+
+def per_block_and_slot() -> tuple[int, int]:
+    """A block's and a slot's bytes, from two pools that differ by one block, and by one slot."""
+    a = pool_bytes(engine(num_kv_blocks=20, num_state_slots=4))
+    b = pool_bytes(engine(num_kv_blocks=21, num_state_slots=4))
+    c = pool_bytes(engine(num_kv_blocks=20, num_state_slots=5))
+    return b - a, c - a
+
+
+def test_budget_fills_slots_first_then_blocks(caplog):
+    blk, slot = per_block_and_slot()
+    budget = 8 * slot + 100 * blk + blk // 2
+    with caplog.at_level(logging.INFO, logger="tandem.cache.sizing"):
+        eng = engine(max_num_seqs=6, kv_cache_memory_bytes=budget)
+    # six slots (+ the null slot) as max_num_seqs asks, the rest in blocks: 8 slots' bytes - 7 = one slot more
+    assert eng.ecfg.num_state_slots == 6 and eng.ecfg.max_num_seqs == 6
+    assert eng.ecfg.num_kv_blocks == 100 + slot // blk
+    assert budget - blk < pool_bytes(eng) <= budget
+    tokens = (eng.ecfg.num_kv_blocks - 1) * 4
+    assert f"KV cache: {tokens} tokens; state slots: 6; maximum concurrency at max_model_len (64): " in caplog.text
+
+
+def test_slots_are_capped_to_leave_one_max_length_request_its_blocks(caplog):
+    blk, slot = per_block_and_slot()
+    budget = 17 * blk + 4 * slot  # one 64-token request (16 blocks + the null block) and 3 slots + the null slot
+    with caplog.at_level(logging.WARNING, logger="tandem.cache.sizing"):
+        eng = engine(max_num_seqs=64, kv_cache_memory_bytes=budget)
+    assert eng.ecfg.num_state_slots == 3 and eng.ecfg.max_num_seqs == 3 and eng.ecfg.num_kv_blocks == 17
+    assert "max_num_seqs lowered from 64 to 3" in caplog.text
+    assert pool_bytes(eng) == budget
+
+
+def test_a_budget_below_one_max_length_request_is_refused():
+    blk, slot = per_block_and_slot()
+    budget = 16 * blk + 2 * slot  # one block short
+    with pytest.raises(ConfigError, match=rf"has .*\({budget} bytes\).*needs .*\({budget + blk} bytes\).*"
+                                          r"largest that fits is 60\b"):
+        engine(kv_cache_memory_bytes=budget)
