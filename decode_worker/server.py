@@ -1,7 +1,8 @@
 """The decode worker: leases capacity, receives hand-offs, decodes with MTP speculation and streams tokens.
 
-A request's life here: `Reserve` allocates its blocks and slots for its whole length and returns a lease with a
-one-time transfer token. The prefill worker then pushes the state to the transfer listener; the header is
+A request's life here: `Reserve` allocates its prompt's blocks (with its first token and drafts) and a state slot
+and returns a lease with a one-time transfer token; once running, the request takes blocks as it grows, and one
+the engine must preempt is recomputed here (never failed). The prefill worker then pushes the state to the transfer listener; the header is
 checked against the lease (token, request, model fingerprint, tensor shapes) before any byte is accepted, and
 the state is installed between two engine steps, so running requests never stall for a copy. `Decode` attaches
 to the request's output (tokens made before it attaches wait for it). A lease that is not used in time,
@@ -23,7 +24,6 @@ many threads, each taking the GIL from the engine thread while it launches the n
 
 from __future__ import annotations
 
-import base64
 import hmac
 import logging
 import queue
@@ -46,7 +46,8 @@ from tandem.rpc.convert import (finish_reason_to_proto, load_of, logprobs_to_pro
                                 sampling_from_proto)
 from tandem.transfer.server import TransferServer
 from tandem.transfer.errors import TransferRejected
-from tandem.transfer.manifest import dtype_name, unpack
+from tandem.transfer.contract import HandOff
+from tandem.transfer.manifest import dtype_name
 
 log = logging.getLogger(__name__)
 LEASE_GONE = "the lease expired or was released"  # in a refusal: the request may be retried with a new lease
@@ -463,17 +464,12 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             rec = self._by_lease.get(manifest.lease_id)
         if rec is None:
             raise TransferRejected(f"{LEASE_GONE} during the hand-off")
-        tensors = unpack(flat, manifest.specs)
-        meta = manifest.meta
-        rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng_state"])), dtype=torch.uint8) \
-            if meta.get("rng_state") else None
-        first_lp = {int(t): lp for t, lp in meta["first_logprobs"].items()} if meta.get("first_logprobs") else None
+        h = HandOff.from_wire(manifest, flat)
 
         def install(engine):
             if rec.seq.status != Status.RESERVED:  # aborted meanwhile
                 raise TransferRejected(f"{LEASE_GONE} during the hand-off")
-            engine.install_prefilled(rec.seq, int(meta["first_token"]), first_lp, list(meta["drafts"]), tensors,
-                                     rng)
+            engine.install_prefilled(rec.seq, h.first_token, h.first_logprobs, h.drafts, h.tensors, h.rng_state)
             rec.stage, rec.emitted, rec.installed_at = "installed", 1, time.monotonic()
             rec.expires = time.monotonic() + self.lease_seconds  # now the router has this long to attach
 

@@ -399,7 +399,7 @@ class Router(router_pb2_grpc.TandemServicer):
         give_up, waiting = time.monotonic() + self.queue_timeout, False
         try:
             while True:
-                candidates = self.decode.candidates()
+                candidates = self.decode.candidates(len(prompt) + 1 + self.k)  # what the lease holds
                 if not candidates:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
                 for w in candidates:

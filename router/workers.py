@@ -102,9 +102,10 @@ class WorkerPool:
             if self.metrics is not None:
                 self.metrics.set_worker_healthy(w.address, self.role, w.healthy)
 
-    def candidates(self) -> list[Worker]:
-        """Healthy workers, best first: a prefill worker by queued prompt tokens, a decode worker by free KV
-        blocks and state slots (as fractions) and running requests."""
+    def candidates(self, tokens: int = 0) -> list[Worker]:
+        """Healthy workers, best first: a prefill worker by queued prompt tokens; a decode worker first by
+        whether its free KV tokens and state slots (at the last poll) hold a lease of `tokens` tokens, then by free
+        KV blocks and state slots (as fractions) and running requests."""
         with self._lock:
             ws = [w for w in self.workers.values() if w.healthy]
         # ties go to a random worker: requests arriving together would otherwise all pick the same one
@@ -117,7 +118,10 @@ class WorkerPool:
             kv = ld.free_kv_blocks / ld.total_kv_blocks if ld.total_kv_blocks else 0.0
             slots = ld.free_state_slots / ld.total_state_slots if ld.total_state_slots else 0.0
             return (1 + w.inflight_requests + ld.running_requests) / max(min(kv, slots), 1e-3)
-        return sorted(ws, key=lambda w: (cost(w), random.random()))
+
+        def full(w):
+            return w.load.free_kv_tokens < tokens or not w.load.free_state_slots
+        return sorted(ws, key=lambda w: (full(w), cost(w), random.random()))
 
     def all(self) -> list[Worker]:
         with self._lock:

@@ -204,7 +204,7 @@ def _router(prefill_answers, admit=lambda r: worker_pb2.AdmitResponse()):
         def __init__(self, w):
             self.w = w
 
-        def candidates(self):
+        def candidates(self, tokens=0):
             return [self.w]
 
         def all(self):

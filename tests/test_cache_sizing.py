@@ -68,3 +68,22 @@ def test_a_budget_below_one_max_length_request_is_refused():
     with pytest.raises(ConfigError, match=rf"has .*\({budget} bytes\).*needs .*\({budget + blk} bytes\).*"
                                           r"largest that fits is 60\b"):
         engine(kv_cache_memory_bytes=budget)
+
+
+def test_serve_passes_the_cache_flags_to_workers_that_size_by_them():
+    """`tandem serve --kv-cache-memory-bytes 3Mi` gives each worker that budget, resolved defaults included."""
+    import argparse
+
+    from tandem.launch import _engine_argv, add_args
+    from tandem.worker_setup import add_engine_args, add_server_args, engine_config, resolve_engine_args
+
+    serve = argparse.ArgumentParser()
+    add_args(serve)
+    args = serve.parse_args(["--model", "tiny-moe", "--device", "cpu", "--kv-cache-memory-bytes", "3Mi"])
+    resolve_engine_args(args)
+    worker = argparse.ArgumentParser()
+    add_engine_args(worker)
+    add_server_args(worker, 0)
+    ecfg = engine_config(worker.parse_args(_engine_argv(args) + ["--device", "cpu"]))
+    assert ecfg.kv_cache_memory_bytes == 3 << 20 and ecfg.dtype == torch.float32
+    assert ecfg.max_model_len == 4096 and ecfg.max_num_seqs == 64 and ecfg.gpu_memory_utilization == 0.9

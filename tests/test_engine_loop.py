@@ -19,7 +19,7 @@ class FakeEngine:
 
     def __init__(self, steps: int, launch: bool = True):
         self.left, self.launch, self.events, self.last_step = steps, launch, [], None
-        self.on_launch, self.scheduler = None, SimpleNamespace(running=[])
+        self.on_launch, self.scheduler = None, SimpleNamespace(running=[], waiting=[])
 
     def has_work(self) -> bool:
         return self.left > 0

@@ -45,3 +45,15 @@ def test_placement_prefers_free_capacity_and_short_queues():
     prefill.workers = {"a": _worker("a", "prefill", queued_prompt_tokens=5000),
                        "b": _worker("b", "prefill", queued_prompt_tokens=10)}
     assert [w.address for w in prefill.candidates()] == ["b", "a"]
+
+
+def test_placement_prefers_a_worker_whose_free_tokens_hold_the_lease():
+    pool = WorkerPool("decode", ["unused:1"], None)
+    pool.workers = {  # "roomy" is the busier, but only it has room for a 500-token lease
+        "tight": _worker("tight", "decode", free_kv_blocks=20, total_kv_blocks=100, free_kv_tokens=320,
+                         total_kv_tokens=1600, free_state_slots=9, total_state_slots=10),
+        "roomy": _worker("roomy", "decode", free_kv_blocks=50, total_kv_blocks=1000, free_kv_tokens=800,
+                         total_kv_tokens=16000, free_state_slots=5, total_state_slots=10, running_requests=5),
+    }
+    assert [w.address for w in pool.candidates(500)] == ["roomy", "tight"]
+    assert [w.address for w in pool.candidates(100)] == ["tight", "roomy"]

@@ -28,9 +28,8 @@ class Sequence:
     # layout); each dict holds the top-n tokens' logprobs and the prompt token's own
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV/state is in the cache
-    # tokens computed as a prompt before decoding: the prompt, or after a preemption every token so far (its
-    # outputs stay outputs; they are only recomputed)
-    prefill_len: int = -1
+    # after a preemption: the tokens it had then, all recomputed as a prompt (its outputs stay outputs)
+    recompute_len: int = 0
     block_ids: list[int] = field(default_factory=list)
     # the GDN state slot (one, in a list as leases carry it). A verify step's rows stay pending in one of the
     # slot's two buffers (`pending_buffer`) until the next step replays the accepted ones (`pending_rows`).
@@ -44,10 +43,6 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # blocks and slots allocated (admitted, or reserved)
     num_preemptions: int = 0
-
-    def __post_init__(self):
-        if self.prefill_len < 0:
-            self.prefill_len = len(self.prompt_token_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -73,12 +68,17 @@ class Sequence:
 
     def preempted(self) -> None:
         """Its blocks and slot were taken back: everything so far is recomputed as a prompt, drafts included."""
-        self.prefill_len = self.num_tokens
+        self.recompute_len = self.num_tokens
         self.num_computed = self.pending_rows = self.pending_buffer = 0
         self.drafts = []
         self.block_ids, self.state_slots = [], []
         self.status = Status.WAITING
         self.num_preemptions += 1
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens computed as a prompt before decoding: the prompt, or after a preemption every token then."""
+        return max(len(self.prompt_token_ids), self.recompute_len)
 
     @property
     def in_prefill(self) -> bool:

@@ -68,7 +68,8 @@ def finish_reason_to_proto(reason: str | None) -> int:
 
 def load_of(engine, **extra) -> common_pb2.Load:
     """A worker's Load as the router sees it: requests and free capacity of its engine (plus role extras)."""
-    sched, pools = engine.scheduler, engine.pools
+    sched, pools, bs = engine.scheduler, engine.pools, engine.ecfg.block_size
     return common_pb2.Load(running_requests=len(sched.running), waiting_requests=len(sched.waiting),
                            free_kv_blocks=pools.blocks.num_free, total_kv_blocks=pools.blocks.capacity,
+                           free_kv_tokens=pools.blocks.num_free * bs, total_kv_tokens=pools.blocks.capacity * bs,
                            free_state_slots=pools.slots.num_free, total_state_slots=pools.slots.capacity, **extra)
