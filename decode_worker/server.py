@@ -2,11 +2,12 @@
 
 A request's life here: `Reserve` allocates its prompt's blocks (with its first token and drafts) and a state slot
 and returns a lease with a one-time transfer token; once running, the request takes blocks as it grows, and one
-the engine must preempt is recomputed here (never failed). The prefill worker then pushes the state to the transfer listener; the header is
-checked against the lease (token, request, model fingerprint, tensor shapes) before any byte is accepted, and
-the state is installed between two engine steps, so running requests never stall for a copy. `Decode` attaches
-to the request's output (tokens made before it attaches wait for it). A lease that is not used in time,
-or an installed request nobody attaches to, expires and frees everything, as does `Abort` or a dropped stream.
+the engine must preempt is recomputed here (never failed). The prefill worker then pushes the state to the
+transfer listener; the header is checked against the lease (token, request, model fingerprint, tensor shapes)
+before any byte is accepted, and the state is installed between two engine steps, so running requests never
+stall for a copy. `Decode` attaches to the request's output (tokens made before it attaches wait for it). A
+lease that is not used in time, or an installed request nobody attaches to, expires and frees everything, as does
+`Abort` or a dropped stream.
 While the request waits for its prefill (in a prefill worker's queue, or in this engine's when colocated) the router
 keeps its lease alive with `RenewLease`; a lease nobody renews (the router died) still expires. An expired lease
 ends its request with ABORTED (LEASE_GONE): not the client's fault, the router retries it with a new lease.
