@@ -1,5 +1,5 @@
 """Preemption through `tandem serve`, colocated and disaggregated: a decode worker whose pool holds about a
-fifth of the workload serves all of it concurrently, exactly as the colocated engine with a large pool does; the
+quarter of the workload serves all of it concurrently, exactly as the colocated engine with a large pool does; the
 requests it preempts are recomputed on it, never failed; nothing stays allocated."""
 
 import re
@@ -14,7 +14,7 @@ from tandem import LLM, SamplingParams
 from tandem.rpc import common_pb2
 from tandem.worker_setup import DEFAULT_MODEL, model_config
 
-K, MAX_LEN, BLOCKS = 2, 128, 40  # 39 usable blocks of 4 tokens: one max-length request and a bit
+K, MAX_LEN, BLOCKS = 2, 64, 57  # 56 usable blocks of 4 tokens: about a quarter of the workload's tokens
 VOCAB = model_config(DEFAULT_MODEL).vocab_size
 ENGINE = ["--model", DEFAULT_MODEL, "--dtype", "float32", "--num-speculative-tokens", str(K), "--block-size", "4",
           "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
@@ -22,10 +22,10 @@ ENGINE = ["--model", DEFAULT_MODEL, "--dtype", "float32", "--num-speculative-tok
 
 
 def workload():
-    """16 greedy and 16 seeded stochastic requests of mixed lengths (~5x the pool's tokens in all)."""
+    """16 greedy and 16 seeded stochastic requests of mixed lengths (~4x the pool's tokens in all)."""
     g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(2, VOCAB, (m,), generator=g).tolist() for m in torch.randint(3, 40, (32,), generator=g)]
-    new = torch.randint(10, 40, (32,), generator=g).tolist()
+    prompts = [torch.randint(2, VOCAB, (m,), generator=g).tolist() for m in torch.randint(3, 24, (32,), generator=g)]
+    new = torch.randint(6, 24, (32,), generator=g).tolist()
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) if i < 16 else
               SamplingParams(max_tokens=m, temperature=1.0, seed=i, ignore_eos=True) for i, m in enumerate(new)]
     return prompts, params
