@@ -13,7 +13,6 @@ abort hook is in place before it is handed to the engine, and one that ended bef
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
@@ -30,7 +29,7 @@ from tandem.rpc.convert import (finish_reason_to_proto, load_of, logprobs_to_pro
                                 sampling_from_proto)
 from tandem.transfer.client import TransferClient
 from tandem.transfer.errors import TransferError, TransferRejected
-from tandem.transfer.manifest import Manifest, checksum, pack
+from tandem.transfer.contract import HandOff
 
 log = logging.getLogger(__name__)
 
@@ -181,15 +180,9 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _hand_off(self, h: PrefilledRequest, lease, context):
         seq = h.seq
-        lp = seq.output_logprobs[0] if seq.output_logprobs else None
-        flat, specs = pack(h.state)
-        meta = {"first_token": seq.output_token_ids[0], "drafts": seq.drafts,
-                "first_logprobs": {str(t): v for t, v in lp.items()} if lp else None,
-                "rng_state": base64.b64encode(h.rng_state.numpy().tobytes()).decode() if h.rng_state is not None
-                else None}
-        manifest = Manifest(request_id=seq.request_id, lease_id=lease.lease_id,
-                            transfer_token=lease.transfer_token.hex(), fingerprint=self.fingerprint, specs=specs,
-                            total_bytes=flat.numel(), checksum=checksum(flat), meta=meta)
+        handoff = HandOff(seq.output_token_ids[0], seq.drafts, dict(h.state),
+                          seq.output_logprobs[0] if seq.output_logprobs else None, h.rng_state)
+        manifest, flat = handoff.to_wire(seq.request_id, lease.lease_id, lease.transfer_token, self.fingerprint)
         if self.inject_fault == "corrupt-handoff":
             flat[flat.numel() // 2] ^= 0xFF
         # the router renews the lease while this call lasts: a send still stalled after a lease's length gives up

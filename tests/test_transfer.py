@@ -26,6 +26,7 @@ from tandem.transfer import (
     unpack,
 )
 from tandem.transfer import manifest as manifest_mod
+from tandem.transfer.contract import HandOff
 
 G = torch.Generator().manual_seed(0)
 
@@ -172,6 +173,44 @@ def test_manifest_malformed_raises_transfer_error(mutate):
     data = out if isinstance(out, bytes) else json.dumps(out).encode()
     with pytest.raises(TransferError, match="manifest"):
         Manifest.from_json(data)
+
+
+def _handoff(seed: int) -> HandOff:
+    g = torch.Generator().manual_seed(seed)
+    return HandOff(first_token=7, drafts=[3, 0], tensors=dict(_state(seed)), first_logprobs={7: -0.25, 9: -1.5},
+                   rng_state=torch.randint(0, 256, (16,), dtype=torch.uint8, generator=g))
+
+
+def test_handoff_through_the_wire_form_and_json():
+    """Every field comes back as sent, through the manifest's JSON, the tensors bit for bit; an unseeded, greedy
+    request's hand-off (no logprobs, no generator) too."""
+    for sent in (_handoff(5), HandOff(first_token=0, drafts=[], tensors=dict(_state(6)))):
+        manifest, flat = sent.to_wire("req", "lease", b"\x01\x02", "fp")
+        assert (manifest.lease_id, manifest.transfer_token, manifest.checksum) == ("lease", "0102", checksum(flat))
+        got = HandOff.from_wire(Manifest.from_json(manifest.to_json()), flat.clone())
+        assert (got.first_token, got.drafts, got.first_logprobs) == (sent.first_token, sent.drafts,
+                                                                     sent.first_logprobs)
+        assert (got.rng_state is None) == (sent.rng_state is None)
+        if sent.rng_state is not None:
+            assert torch.equal(got.rng_state, sent.rng_state)
+        assert list(got.tensors) == list(sent.tensors)
+        assert all(_raw(got.tensors[k]) == _raw(v) for k, v in sent.tensors.items())
+
+
+@pytest.mark.parametrize("meta", [
+    {"drafts": []},
+    {"first_token": -1, "drafts": []},
+    {"first_token": True, "drafts": []},
+    {"first_token": 1, "drafts": ["a"]},
+    {"first_token": 1, "drafts": [], "first_logprobs": {"x": -1.0}},
+    {"first_token": 1, "drafts": [], "first_logprobs": [1]},
+    {"first_token": 1, "drafts": [], "rng_state": "not base64!"},
+])
+def test_handoff_with_malformed_meta_is_refused(meta):
+    manifest, flat = _handoff(7).to_wire("req", "lease", b"\x01", "fp")
+    manifest.meta = meta
+    with pytest.raises(TransferError, match="manifest"):
+        HandOff.from_wire(manifest, flat)
 
 
 def test_model_fingerprint_and_default_backend():
