@@ -7,9 +7,9 @@ dispatch could take instead of its default, so a default can be chosen from figu
 
 Rows: `conv` (causal_conv1d, q|k|v parts), `gated norm` (GDN output norm, gate read in place), `recurrent` (the
 delta rule at decode and verify sizes, in a CUDA graph as a step runs it: B requests of 1 or 3 rows), `align`
-(kernel and torch reference; host time per call too: at prefill the engine is host-bound), `experts` (fused_experts in bf16,
-eager and in a CUDA graph; floor = the routed experts' weight bytes, or the FLOPs at prefill), `attention`
-(paged_attention over 8 causal prompts of 2048 tokens, head_dim 256, GQA 16:2).
+(kernel and torch reference; host time per call too: at prefill the engine is host-bound), `experts`
+(fused_experts in bf16, eager and in a CUDA graph; floor = the routed experts' weight bytes, or the FLOPs at
+prefill), `attention` (paged_attention over 8 causal prompts of 2048 tokens, head_dim 256, GQA 16:2).
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def add_engine_args(ap) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help="KV blocks (the null block included), overriding the sizes above")
     ap.add_argument("--num-speculative-tokens", type=int, default=2, help="MTP drafts per step (0: off)")
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode or prefill steps (debugging)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no CUDA graphs for decode or prefill steps (debugging)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks per worker, heads and experts split across them (processes of their own; on a GPU "
                     "one per rank, from --device on; CUDA graphs are off under TP)")

@@ -47,8 +47,8 @@ def _kubectl() -> str:
 
 @functools.cache
 def render(overlay: str) -> tuple[dict, ...]:
-    out = subprocess.run([_kubectl(), "kustomize", str(DEPLOY / "overlays" / overlay)], capture_output=True, check=False,
-                         text=True, timeout=120, env={**os.environ, "KUBECONFIG": os.devnull})
+    out = subprocess.run([_kubectl(), "kustomize", str(DEPLOY / "overlays" / overlay)], capture_output=True,
+                         check=False, text=True, timeout=120, env={**os.environ, "KUBECONFIG": os.devnull})
     assert out.returncode == 0, out.stderr
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 

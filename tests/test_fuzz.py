@@ -22,7 +22,8 @@ from test_http import make_text_model_dir
 # errors a client may get for its own input or for load; anything else is a server bug
 CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OUT_OF_RANGE}
-FUZZ = settings(max_examples=int(os.environ.get("TANDEM_FUZZ_EXAMPLES", 200)), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ = settings(max_examples=int(os.environ.get("TANDEM_FUZZ_EXAMPLES", 200)), deadline=None,
+                suppress_health_check=list(HealthCheck), derandomize=True)
 
 u32 = st.integers(0, 2**32 - 1)
 floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
@@ -126,7 +127,8 @@ PLAUSIBLE = {
     "messages": messages, "suffix": st.sampled_from(["", "x", None]), "logit_bias": st.sampled_from([{}, {"5": 1}]),
     "use_beam_search": st.booleans(), "prompt_logprobs": st.integers(0, 3), "echo": st.booleans(),
     "n": st.integers(-1, 3), "best_of": st.integers(0, 3), "logprobs": st.one_of(st.integers(-1, 21), st.booleans()),
-    "top_logprobs": st.integers(-1, 21), "max_tokens": st.integers(-1, 70), "max_completion_tokens": st.integers(-1, 70),
+    "top_logprobs": st.integers(-1, 21), "max_tokens": st.integers(-1, 70),
+    "max_completion_tokens": st.integers(-1, 70),
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "top_k": ints, "min_p": st.floats(-0.5, 1.5),
     "seed": ints, "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),

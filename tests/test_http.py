@@ -341,7 +341,8 @@ def test_cors_preflight_needs_no_api_key(server):
     base = f"http://127.0.0.1:{http.port}"
     try:
         r = requests.options(base + "/v1/models", timeout=10, headers={
-            "Origin": ORIGIN, "Access-Control-Request-Method": "GET", "Access-Control-Request-Headers": "authorization"})
+            "Origin": ORIGIN, "Access-Control-Request-Method": "GET",
+            "Access-Control-Request-Headers": "authorization"})
         assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
         r = requests.get(base + "/v1/models", headers={"Origin": ORIGIN}, timeout=10)
         assert_openai_error(r, 401)

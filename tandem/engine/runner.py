@@ -25,9 +25,11 @@ class ModelRunner:
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         """The rows each chunk processes: its unprocessed tokens (plus its drafts when verifying)."""
-        return self.rows_batch([(c.seq, c.seq.num_computed,
-                                 (c.seq.token_ids + c.seq.drafts)[c.seq.num_computed : c.seq.num_computed + c.num_tokens])
-                                for c in chunks])
+        rows = []
+        for c in chunks:
+            start = c.seq.num_computed
+            rows.append((c.seq, start, (c.seq.token_ids + c.seq.drafts)[start : start + c.num_tokens]))
+        return self.rows_batch(rows)
 
     @traced
     def rows_batch(self, items: list[tuple[Sequence, int, list[int]]]) -> ForwardBatch:

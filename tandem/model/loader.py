@@ -19,6 +19,7 @@ import json
 import os
 import re
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -29,6 +30,9 @@ from tandem.model.qwen3_5 import Qwen3_5ForCausalLM
 from tandem.ops.fp8 import FP8_DTYPE
 from tandem.ops.rope import inv_frequencies
 from tandem.parallel import SINGLE, TPGroup
+
+if TYPE_CHECKING:
+    from tandem.model.fp8 import Fp8Quantization
 
 
 class CheckpointError(ValueError):
@@ -240,7 +244,7 @@ class _Fp8File:
     """An open safetensors file whose float8 weights read as fp32 (dequantised with their `weight_scale_inv`,
     which may lie in another shard); the scale tensors themselves are not listed. Problems go to `problems`."""
 
-    def __init__(self, f, quant: "fp8.Fp8Quantization", scale_files: dict[str, str], device, problems: list[str],
+    def __init__(self, f, quant: Fp8Quantization, scale_files: dict[str, str], device, problems: list[str],
                  used_scales: set[str]):
         from tandem.model import fp8
 

@@ -151,14 +151,14 @@ if HAS_TRITON:
     def _moe_align_kernel(experts_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, N, n_chunks,
                           E_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, B_CHUNK: tl.constexpr,
                           PDL: tl.constexpr):
-        """One program per chunk of CHUNK pairs (more than one chunk: fewer pairs take `_moe_align_ranks_kernel`).
-        The chunks' histograms from `_moe_count_kernel` give each expert's padded segment and this chunk's offset
-        inside it (the pairs of the chunks before). Sorting the keys expert * CHUNK + local index puts the chunk's
-        pairs in expert order, each expert's in pair order, so across chunks every expert's pairs lie in pair order (deterministic: the layout
-        of `_moe_align_torch`). Each program also writes the sentinel N into the padding of the experts
-        e = c (mod n_chunks) and a share of `block_expert` (block b's expert: the number of experts whose segment
-        ends at or before b * BLOCK_M); pairs and sentinels go to distinct slots, so no program waits for another.
-        Blocks at or past `total` stay unwritten: the GEMM kernels return before reading them."""
+        """One program per chunk of CHUNK pairs (more than one chunk: fewer pairs take `_moe_align_ranks_kernel`). The
+        chunks' histograms from `_moe_count_kernel` give each expert's padded segment and this chunk's offset inside it
+        (the pairs of the chunks before). Sorting the keys expert * CHUNK + local index puts the chunk's pairs in expert
+        order, each expert's in pair order, so across chunks every expert's pairs lie in pair order (deterministic: the
+        layout of `_moe_align_torch`). Each program also writes the sentinel N into the padding of the experts e = c
+        (mod n_chunks) and a share of `block_expert` (block b's expert: the number of experts whose segment ends at or
+        before b * BLOCK_M); pairs and sentinels go to distinct slots, so no program waits for another. Blocks at or
+        past `total` stay unwritten: the GEMM kernels return before reading them."""
         wait_for_prior_kernels(PDL)
         c = tl.program_id(0)
         i = tl.arange(0, CHUNK)
@@ -320,8 +320,8 @@ if HAS_TRITON:
         tl.store(out_ptrs, act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
 
     @triton.jit(do_not_specialize=["N_PAIRS"])
-    def _moe_down_kernel(inter_ptr, is_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr,
-                         N_PAIRS, H: tl.constexpr, I: tl.constexpr,
+    def _moe_down_kernel(inter_ptr, is_ptr, w_ptr, ws_ptr, buf_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                         route_w_ptr, N_PAIRS, H: tl.constexpr, I: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PRECISION: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, DOT: tl.constexpr,
                          PDL: tl.constexpr):
