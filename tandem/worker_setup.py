@@ -39,8 +39,9 @@ def add_engine_args(ap) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help=f"most requests running at once (default: {GPU_MAX_NUM_SEQS} on a GPU, {CPU_MAX_NUM_SEQS} "
                     "on a CPU; lowered to the GDN state slots that fit)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="tokens one engine step processes at most (decode rows first, then prompt chunks)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                     help="share of the GPU's memory this worker may use: what the weights and the largest step "
                     "leave of it goes to the KV blocks and GDN state slots")
@@ -71,7 +72,7 @@ def add_server_args(ap, port: int) -> None:
                     "(default: the --model directory's or preset's name)")
     ap.add_argument("--worker-name", default=None, help="the `worker` label of this process's metrics "
                     "(default: role-pid; the pod name in Kubernetes)")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     ap.add_argument("--internal-token-file", default=None, help="file holding the token the router sends and the "
                     "workers require on their gRPC services (default: $TANDEM_INTERNAL_TOKEN; unset: workers accept "
                     "any caller unless mTLS is on)")
