@@ -13,12 +13,11 @@ from safetensors.torch import save_file
 
 from tandem.config import ConfigError, EngineConfig, ModelConfig
 from tandem.engine.llm import Engine
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledChunk
-from tandem.engine.sequence import Sequence
 from tandem.model import fp8
 from tandem.model.fp8 import convert_checkpoint, dequantize_block_fp8, is_quantized, quantize_block_fp8
 from tandem.model.loader import CheckpointError, load_checkpoint
+from admitted import admitted
 
 MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tandem-tiny")
 
@@ -176,9 +175,7 @@ def dequantised_reference(cfg):
 
 def logits(cfg, model, ids):
     eng = Engine(cfg, model, EngineConfig(block_size=16, max_num_seqs=1, max_model_len=128))
-    seq = Sequence("a", ids, SamplingParams(max_tokens=1))
-    eng.scheduler.add(seq)
-    assert eng.scheduler._try_admit(eng.scheduler.waiting.popleft())
+    seq = admitted(eng, "a", ids, max_tokens=1)
     return eng.runner.run([ScheduledChunk(seq, len(ids))], all_rows=True)
 
 

@@ -10,7 +10,6 @@ from tandem.config import EngineConfig
 from tandem.engine.llm import Engine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledChunk
-from tandem.engine.sequence import Sequence
 from tandem.model.loader import build_empty_model
 from tandem.config import ModelConfig
 from tandem.model.presets import PRESETS, preset_config, random_model
@@ -18,6 +17,7 @@ from tandem.model.qwen3_5 import MLP, ROW_ALIGN, SHARED_AS_EXPERT_MAX_ROWS, Gate
 from tandem.ops import moe
 from tandem.ops.triton_utils import HAS_TRITON
 from tandem.parallel import TPGroup
+from admitted import admitted
 
 NAMES = ["tiny-moe", "tiny-dense", "tiny-moe-hosting"]
 HOSTING = "-hosting"  # a MoE preset whose shared expert has the experts' size, as in the real checkpoints
@@ -77,12 +77,6 @@ def assert_fused(model):
                 else:
                     assert ptr == end and rows == fused.shape[0]
 
-
-def admitted(engine, rid, ids):
-    seq = Sequence(rid, list(ids), SamplingParams(max_tokens=16))
-    engine.scheduler.add(seq)
-    assert engine.scheduler._try_admit(engine.scheduler.waiting.popleft())
-    return seq
 
 
 def prompts(lengths, seed=1):

@@ -5,10 +5,9 @@ import torch
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.llm import Engine
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledChunk
-from tandem.engine.sequence import Sequence
 from tandem.model.loader import load_checkpoint
+from admitted import admitted
 
 TOL = 1e-4
 
@@ -23,12 +22,6 @@ def make_engine(path, **kw):
     model = load_checkpoint(path, cfg, "cpu", torch.float32, progress=False)
     return Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=8, max_model_len=128, **kw))
 
-
-def admitted(engine, rid, ids):
-    seq = Sequence(rid, ids, SamplingParams(max_tokens=16))
-    engine.scheduler.add(seq)
-    assert engine.scheduler._try_admit(engine.scheduler.waiting.popleft())
-    return seq
 
 
 def prompts(vocab, lengths, seed=1):

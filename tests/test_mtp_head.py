@@ -13,6 +13,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.engine.sequence import Sequence
 from tandem.model.presets import PRESETS, preset_config, random_model
+from admitted import admitted
 
 
 def rms1p(x, w, eps=1e-6):
@@ -46,9 +47,7 @@ def prompt_hidden(cfg, model, prompt):
     """A plain engine (no speculation) holding the prompt as one sequence, and the target's final hidden states over
     its rows: (engine, sequence, hidden [N, H])."""
     eng = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64))
-    target = Sequence("t", prompt, SamplingParams(max_tokens=8))
-    eng.scheduler.add(target)
-    assert eng.scheduler._try_admit(eng.scheduler.waiting.popleft())
+    target = admitted(eng, "t", prompt, max_tokens=8)
     return eng, target, model(eng.runner.build_batch([ScheduledChunk(target, len(prompt))]), eng.pools.layer_caches)
 
 

@@ -10,8 +10,8 @@ from tandem.engine.llm import Engine
 from tandem.engine.prefill_graphs import token_buckets
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledChunk
-from tandem.engine.sequence import Sequence
 from tandem.model.presets import preset_config, random_model
+from admitted import admitted
 
 
 def test_buckets_cover_every_token_count():
@@ -33,12 +33,6 @@ def prompts(lengths, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lengths]
 
-
-def admitted(eng, rid, ids):
-    seq = Sequence(rid, list(ids), SamplingParams(max_tokens=16))
-    eng.scheduler.add(seq)
-    assert eng.scheduler._try_admit(eng.scheduler.waiting.popleft())
-    return seq
 
 
 def prefill_logits(eng, batches):

@@ -13,8 +13,8 @@ from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.llm import Engine
 from tandem.engine.scheduler import ScheduledChunk
-from tandem.engine.sequence import Sequence
 from tandem.model.loader import load_checkpoint
+from admitted import admitted
 
 MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tandem-tiny")
 DEMO = [{"role": "user", "content": "Hello! What can you do?"}]
@@ -60,9 +60,7 @@ def test_logits_match_hf(llm):
     cfg = ModelConfig.from_dir(MODEL)
     model = load_checkpoint(MODEL, cfg, "cpu", torch.float32, progress=False)
     eng = Engine(cfg, model, EngineConfig(block_size=16, max_num_seqs=1, max_model_len=256))
-    seq = Sequence("a", ids, SamplingParams(max_tokens=1))
-    eng.scheduler.add(seq)
-    assert eng.scheduler._try_admit(eng.scheduler.waiting.popleft())
+    seq = admitted(eng, "a", ids, max_tokens=1)
     got = eng.runner.run([ScheduledChunk(seq, len(ids))], all_rows=True)
     assert (got - ref).abs().max() <= TOL
     assert torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -11,10 +11,10 @@ from test_loader import clone_dir, read_all, to_official_layout
 from tandem import LLM, SamplingParams
 from tandem.config import ModelConfig
 from tandem.engine.scheduler import ScheduledChunk
-from tandem.engine.sequence import Sequence
 from tandem.model.loader import load_checkpoint
 from tandem.model.presets import preset_config, random_model
 from tandem.parallel import TensorParallelError, TPGroup
+from admitted import admitted
 
 TOL = 1e-5
 ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=16, block_size=4, max_model_len=128)
@@ -43,10 +43,7 @@ def step_logits(llm):
     ps = prompts([1, 7, 19], seed=3)
     seqs = []
     for i, p in enumerate(ps):
-        seq = Sequence(f"l{i}", p, SamplingParams(max_tokens=8))
-        eng.scheduler.add(seq)
-        assert eng.scheduler._try_admit(eng.scheduler.waiting.popleft())
-        seqs.append(seq)
+        seqs.append(admitted(eng, f"l{i}", p, max_tokens=8))
     first = eng.runner.run([ScheduledChunk(s, min(len(p), 8)) for s, p in zip(seqs, ps)], all_rows=True)
     for s, p in zip(seqs, ps):
         s.prompt_token_ids.append(p[0])  # a teacher-forced next token for the finished prompts
