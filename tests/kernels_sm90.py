@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
 import subprocess
@@ -54,6 +55,7 @@ H200_SMS = 132
 H200_SHARED_PER_BLOCK = 232448  # bytes a block may opt into on sm_90 (227 KB)
 BLOCK_SIZE, CONTEXT = 16, 300
 LAYERS = 4  # three GDN layers and one attention layer (full_attention_interval 4): every kind of layer
+BIG = 2**25  # elements: the experts' weights are above, every tensor torch computes with below
 
 
 class _CompileOnlyDriver:
@@ -165,13 +167,21 @@ def _caches(cfg: ModelConfig, dtype: torch.dtype, blocks: int, slots: int, k: in
 def _stacking_without_copies():
     """Fusing the projections stacks their weights by copying them: at the real shapes that writes every expert's
     weights again (16 GB resident at fp32), values no kernel here reads. An uninitialised tensor of the stacked
-    shape has the same layout and stays untouched, so it costs no memory."""
+    shape has the same layout and stays untouched, so it costs no memory. Stacks below BIG elements (the ones torch
+    computes with, given values by the workload) are copied as usual."""
     cat = torch.cat
 
     def uninitialised_cat(tensors, dim=0):
         shape = list(tensors[0].shape)
         shape[dim] = sum(t.shape[dim] for t in tensors)
-        return torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
+        if math.prod(shape) < BIG:
+            return cat(tensors, dim)
+        fill = torch.utils.deterministic.fill_uninitialized_memory  # the workload's NaN fill would touch it all
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        try:
+            return torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
+        finally:
+            torch.utils.deterministic.fill_uninitialized_memory = fill
 
     torch.cat = uninitialised_cat
     try:
@@ -209,16 +219,23 @@ def compiles_after_warm_up(preset: str, seed: int, prefill_only: bool = False, k
     from tandem.engine.llm import Engine
 
     _compile_only_on_h200()
-    # the kernels' outputs are never written: fill fresh tensors (NaN) so every run takes the same schedule
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
     hf = PRESETS[preset]
     cfg = ModelConfig.from_hf(dict(hf, num_hidden_layers=LAYERS, vocab_size=min(hf["vocab_size"], 1024)))
     model = build_empty_model(cfg, "cpu", torch.bfloat16, with_mtp=True, fp8=cfg.quantization)
-    for p in model.parameters():  # finite values where torch computes (the experts' weights only meet kernels)
-        if p.dtype.is_floating_point and p.element_size() > 1 and p.numel() < 2**25:
+    # the kernels' outputs are never written: fill fresh tensors (NaN) so every run takes the same schedule; the
+    # experts' weights (only kernels meet them) stay untouched, or they would be resident (8.6 GB at bf16)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    for p in model.parameters():
+        if p.numel() >= BIG:
+            continue
+        if p.dtype.is_floating_point and p.element_size() > 1:  # finite values where torch computes
             p.data.normal_(0.0, 0.02)
-    eng = Engine(cfg, model.fuse_projections(),
+        else:
+            p.data.copy_(torch.empty_like(p))  # the fill, as building the model under it gave
+    with _stacking_without_copies():
+        model = model.fuse_projections()
+    eng = Engine(cfg, model,
                  EngineConfig(block_size=16, max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=budget,
                               num_speculative_tokens=k, device="cpu", dtype="bfloat16", cuda_graphs=True),
                  prefill_only=prefill_only)
