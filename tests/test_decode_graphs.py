@@ -47,6 +47,17 @@ def test_padded_decode_equals_eager_greedy(k):
         assert padded_stats.num_accepted_tokens > 0  # tandem-tiny's MTP head really drafts
 
 
+def test_narrow_block_table_uploads_equal_eager():
+    """A step sends only the block-table columns its requests use: a long request that leaves a row with many
+    blocks behind, then short ones in that row (stale columns past their blocks), decode as the eager engine."""
+    prompts = [" ".join(["the sea and the sky"] * 30), *PROMPTS[:3]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 40, 30, 35)]
+    eager, _, _ = _run(False, 2, params, prompts=prompts, max_num_seqs=2)
+    padded, _, engine = _run(True, 2, params, prompts=prompts, max_num_seqs=2)
+    assert padded == eager
+    assert engine.graphs.width < engine.graphs.max_blocks // 2  # the last steps sent a narrow table
+
+
 def test_padded_decode_equals_eager_seeded_and_streams_match_without_drafts():
     """Seeded top-p sampling: the padded path equals the eager one, and with k = 2 each request's generator
     advances by the tokens emitted, so its stream equals the one without speculation."""

@@ -5,6 +5,10 @@ metadata lives in persistent device buffers, one int64 region written by a singl
 and the step is captured once per batch-size bucket (B is padded up to the bucket). Padding requests point every
 table at the null block and the null state slot, so they compute finite garbage nobody reads.
 
+The block tables are [B, blocks of max_model_len] (16k columns at 262,144 tokens): a step sends only the columns
+its requests use, plus a margin of null blocks for the draft rows past them, and a device copy places them in the
+full table. Columns past that are stale and never read.
+
 Two graphs per bucket:
 - `verify`: the target over the B*q rows -> hidden [B*q, H] and fp32 logits of every row [B*q, V].
 - `draft` (k > 0), after the rows are sampled (into `tokens`): each request's accepted drafts (the leading ones
@@ -66,18 +70,23 @@ class DecodeGraphs:
         self.buckets = batch_buckets(ecfg.max_num_seqs)
         B, n = self.buckets[-1], self.buckets[-1] * self.q
         self.max_blocks = -(-(ecfg.max_model_len + self.k) // ecfg.block_size)
-        # one int64 region (a single copy per step): name -> (offset, shape)
+        # the columns past a request's blocks that its recursive drafts may write (null blocks, sent every step)
+        self.margin = -(-self.k // ecfg.block_size) + 1
+        # one int64 region (a single copy per step): name -> (offset, shape); the block tables' columns in use
+        # follow it, as [B, width] (`_upload`)
         fields = {"input_ids": (n,), "positions": (n,), "seq_lens": (B,), "slot_mapping": (n,),
-                  "state_slots": (B,), "state_replay": (B,), "state_pending": (B, 2), "forced": (B, self.k),
-                  "block_tables": (B, self.max_blocks)}
+                  "state_slots": (B,), "state_replay": (B,), "state_pending": (B, 2), "forced": (B, self.k)}
         self.layout, size = {}, 0
         for name, shape in fields.items():
             self.layout[name] = (size, shape)
             size += torch.Size(shape).numel()
-        self.device_buf = torch.zeros(size, dtype=torch.long, device=ecfg.device)
-        self.host_buf = torch.zeros(size, dtype=torch.long, pin_memory=self.capture)
+        self.fields_size = size
+        self.device_buf = torch.zeros(size + B * self.max_blocks, dtype=torch.long, device=ecfg.device)
+        self.host_buf = torch.zeros(size + B * self.max_blocks, dtype=torch.long, pin_memory=self.capture)
         self.host = {k: self._view(self.host_buf, k).numpy() for k in self.layout}
         self.dev = {k: self._view(self.device_buf, k) for k in self.layout}
+        self.block_tables = torch.zeros(B, self.max_blocks, dtype=torch.long, device=ecfg.device)
+        self.width = 1  # the block-table columns the step in preparation sends
         self.query_start_loc = torch.arange(0, n + 1, self.q, device=ecfg.device)
         self.rows = torch.arange(B + 1, device=ecfg.device)
         self.tokens = torch.zeros(n, dtype=torch.long, device=ecfg.device)  # the sampled rows, the draft graph's input
@@ -104,7 +113,7 @@ class DecodeGraphs:
         qsl = self.query_start_loc[: B + 1]
         return ForwardBatch(
             input_ids=input_ids, positions=d["positions"][:n], query_start_loc=qsl, seq_lens=d["seq_lens"][:B],
-            block_tables=d["block_tables"][:B], slot_mapping=d["slot_mapping"][:n], state_slots=d["state_slots"][:B],
+            block_tables=self.block_tables[:B], slot_mapping=d["slot_mapping"][:n], state_slots=d["state_slots"][:B],
             state_replay=d["state_replay"][:B], state_pending=d["state_pending"][:B], logits_indices=qsl[1:] - 1,
             query_start_loc_cpu=list(range(0, n + 1, self.q)),
             # the torch reference ops (CPU) read the lengths on the host; the kernels never do
@@ -121,11 +130,17 @@ class DecodeGraphs:
         h["state_slots"][first:B] = 0
         h["state_replay"][first:B] = 0
         h["state_pending"][first:B] = (0, -1)
-        h["block_tables"][first:B] = 0
         h["forced"][first:B] = 0
+        self._tables(B)[first:B] = 0
 
-    def _upload(self) -> None:
-        self.device_buf.copy_(self.host_buf, non_blocking=self.capture)
+    def _tables(self, B: int):
+        """The host rows of the step's block tables, [B, self.width], after the other fields."""
+        return self.host_buf[self.fields_size : self.fields_size + B * self.width].numpy().reshape(B, self.width)
+
+    def _upload(self, B: int) -> None:
+        n = self.fields_size + B * self.width
+        self.device_buf[:n].copy_(self.host_buf[:n], non_blocking=self.capture)
+        self.block_tables[:B, : self.width].copy_(self.device_buf[self.fields_size : n].view(B, self.width))
 
     # ------------------------------------------------------------------------------------------ steps
 
@@ -139,6 +154,8 @@ class DecodeGraphs:
         B = self.bucket = self.bucket_for(n_req)
         if B not in self.verify_graphs:  # before filling: capturing runs on padding only
             self._capture(B)
+        self.width = min(self.max_blocks, max(len(c.seq.block_ids) for c in chunks) + self.margin)
+        tables = self._tables(B)
         for i, c in enumerate(chunks):
             seq, p = c.seq, c.seq.num_computed
             rows = slice(i * q, (i + 1) * q)
@@ -151,12 +168,11 @@ class DecodeGraphs:
             h["state_replay"][i] = seq.pending_rows
             h["state_pending"][i] = seq.pending(self.k > 0)  # a verify step's rows wait for their acceptance
             h["forced"][i] = forced[i]
-            table = h["block_tables"][i]
-            table[: len(seq.block_ids)] = seq.block_ids
-            table[len(seq.block_ids):] = 0
+            tables[i, : len(seq.block_ids)] = seq.block_ids
+            tables[i, len(seq.block_ids) :] = 0
             seq.num_computed += q
         self._pad(B, n_req)
-        self._upload()
+        self._upload(B)
         hidden, logits = self.verify_graphs[B].replay()
         return hidden[: n_req * q], logits[: n_req * q]
 
@@ -177,8 +193,9 @@ class DecodeGraphs:
                 self._capture(B)
 
     def _capture(self, B: int) -> None:
+        self.width = self.max_blocks  # the whole table null: a capture reads no stale column
         self._pad(B, 0)
-        self._upload()
+        self._upload(B)
         self.verify_graphs[B] = _Replayable(lambda: self._verify_fn(B), self.capture, self.pool)
         if self.k:  # reads the verify graph's hidden output (captured just now, so self._last_hidden)
             self.draft_graphs[B] = _Replayable(lambda: self._draft_fn(B), self.capture, self.pool)
