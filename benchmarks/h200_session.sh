@@ -3,8 +3,8 @@
 # serving benchmarks, each writing its full output under $OUT (default ./h200-out) and printing a short summary.
 #
 #     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [mixed] [fp8] [serve] [pd]
-#         [gap] [tp]
-#     (no argument: tests step serve pd; tp needs two GPUs)
+#         [gap] [tp] [long]
+#     (no argument: tests step serve pd; tp needs two GPUs; long: LONG_LEN (262144) and LONG_C (256) at UTIL (0.9))
 #     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; STEP: step.py's arguments;
 #     OPS_ROWS: prefill_ops.py --rows; MIXED_BUDGETS: the step budgets of the mixed part (default "2048 8192");
 #     SERVE_FLAGS: more `tandem serve` flags of the colocated runs, TAG: a suffix of their result names;
@@ -228,6 +228,33 @@ print(f'[gap] engine alone {alone:.1f} tok/s, served {served:.1f} tok/s: {served
         timeout 900 python3 benchmarks/handoff.py --model $MODEL --dtype $DTYPE --transfer-backend torch_distributed \
             --ceiling-gbs 0 > "$OUT/handoff-nccl.txt" 2>&1
         cat "$OUT/handoff-nccl.txt" | tail -12 ;;
-    *) echo "unknown part $part (tests, step, ops, profile, mixed, fp8, serve, pd, tp)"; exit 2 ;;
+    long)  # caches from memory at the model's full context: capacity, one prompt of that length, then LONG_C at once
+        len=${LONG_LEN:-262144}; wide=${LONG_C:-256}; name=long_$len
+        case $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) in *H100*) bw=3350 ;; *) bw=4250 ;; esac
+        python3 -m tandem.cli serve --port 50051 --http-port 0 --metrics-port 0 --model $MODEL --dtype $DTYPE \
+            --prefill-workers 0 --max-model-len $len --gpu-memory-utilization ${UTIL:-0.9} --num-speculative-tokens 2 \
+            --emulated-acceptance 0.84,0.66 ${SERVE_FLAGS:-} > "$OUT/$name.serve.log" 2>&1 &
+        pid=$!
+        if wait_announced "$OUT/$name.serve.log" $pid; then
+            grep -E "memory profile|KV cache:|max_num_seqs lowered|captured" "$OUT/$name.serve.log" | sed "s/^/[$name] /"
+            timeout 300 python3 benchmarks/long_context.py --model $MODEL --dtype $DTYPE --prompt-len $((len - 128)) \
+                --max-tokens 128 --k 2 --tokens-per-step 2.394 --bandwidth-gbs $bw > "$OUT/$name.txt" 2>&1
+            sed "s/^/[$name] /" "$OUT/$name.txt" | tail -4
+            metrics=$(grep -o 'metrics=[^ ]*' "$OUT/$name.serve.log" | cut -d= -f2 | tr ',' '\n' | tail -n +2 \
+                | sed 's|.*|http://&/metrics|' | paste -sd,)
+            timeout 300 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
+                --metrics-url "$metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "${name}_c$wide.json" \
+                --model $MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len ${LONG_OUT:-128} \
+                --ignore-eos --max-concurrency $wide --num-prompts $((2 * wide)) --num-warmups 2 > "$OUT/${name}_c$wide.txt" 2>&1
+            grep -E "Maximum request concurrency|Output token throughput|Total token throughput|Mean TPOT|Mean TTFT|P99 TTFT|Acceptance length|preempt" \
+                "$OUT/${name}_c$wide.txt" | sed "s/^/[${name}_c$wide] /"
+            for url in ${metrics//,/ }; do python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], \
+                timeout=10).read().decode())" "$url"; done 2>&1 | grep -E "^tandem:(num_preemptions_total|cache_config_info|kv_cache_usage)" \
+                | sed "s/^/[$name] /"
+        else
+            echo "[$name] the server did not come up"; grep -vE "^\s*$" "$OUT/$name.serve.log" | tail -8
+        fi
+        kill -TERM $pid 2>/dev/null; sleep 5; kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null ;;
+    *) echo "unknown part $part (tests, step, ops, profile, mixed, fp8, serve, pd, tp, long)"; exit 2 ;;
     esac
 done

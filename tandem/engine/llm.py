@@ -215,9 +215,12 @@ class Engine:
         for graphs, what in ((self.runner.prefill_graphs, "prefill CUDA graphs for token counts"),
                              (self.graphs, "decode CUDA graphs for batch sizes")):
             if graphs is not None and graphs.capture:
-                t0 = time.monotonic()
+                t0, free0 = time.monotonic(), torch.cuda.mem_get_info(self.ecfg.device)[0]
                 graphs.capture_all()
-                log.info("captured %s %s in %.1f s", what, graphs.buckets, time.monotonic() - t0)
+                free, total = torch.cuda.mem_get_info(self.ecfg.device)
+                # their pools sit outside the caches' budget, in the device's 1 - gpu_memory_utilization
+                log.info("captured %s %s in %.1f s: they hold %.2f GiB; %.2f GiB of %.2f GiB left free", what,
+                         graphs.buckets, time.monotonic() - t0, (free0 - free) / GIB, free / GIB, total / GIB)
 
     def warm_up(self) -> None:
         """Compiles the prefill kernels before serving (on a GPU the first step of a new kind otherwise waits
