@@ -94,9 +94,9 @@ def main() -> None:
     print(f"TTFT {ttft:.2f} s; compute floor {ttft_floor:.2f} s ({weights / 1e15:.2f} PFLOP of weights at "
           f"{linear_tflops:.0f} TFLOPS, {attention / 1e15:.2f} PFLOP of attention at {args.attention_tflops:.0f}): "
           f"{ttft / ttft_floor:.1f}x")
-    print(f"decode {rate:.1f} tok/s at context ~{context:.0f}; HBM floor {decode_floor:.1f} tok/s ({step_floor * 1e3:.3f} "
-          f"ms a step of {(verify + draft) / 1e9:.2f} GB at {args.bandwidth_gbs:.0f} GB/s, {args.tokens_per_step} "
-          f"tokens a step): {decode_floor / rate:.2f}x")
+    print(f"decode {rate:.1f} tok/s at context ~{context:.0f}; HBM floor {decode_floor:.1f} tok/s "
+          f"({step_floor * 1e3:.3f} ms a step of {(verify + draft) / 1e9:.2f} GB at {args.bandwidth_gbs:.0f} GB/s, "
+          f"{args.tokens_per_step} tokens a step): {decode_floor / rate:.2f}x")
 
 
 if __name__ == "__main__":
