@@ -50,18 +50,20 @@ log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT = 3600.0  # seconds: the deadline of one choice's gRPC call (OpenAI has no per-request deadline)
 INLINE_TOKENS = 64  # a response message with more tokens to turn into strings is converted on the CPU pool
+INFO_SECONDS = 5.0  # how long the router's model info (speculative tokens, max_model_len) is reused
 
 
 # ---- the app ------------------------------------------------------------------------------------------------------
 class _Api:
-    def __init__(self, grpc_address: str, model_name: str, tokenizer, max_model_len: int,
+    def __init__(self, grpc_address: str, model_name: str, tokenizer, max_model_len: int | None,
                  request_timeout: float = REQUEST_TIMEOUT, api_key: str | None = None, tls: Tls | None = None,
                  max_body_bytes: int = 64 * 1024 * 1024, metrics_registry: CollectorRegistry | None = None,
                  cors: Cors | None = None, pool: CpuPool | None = None, parsers: Parsers | None = None):
         self.parsers = parsers or Parsers()
         self.tls, self.max_body_bytes, self.metrics_registry, self.cors = tls, max_body_bytes, metrics_registry, cors
-        self.grpc_address, self.model_name, self.tok, self.max_model_len = \
-            grpc_address, model_name, tokenizer, max_model_len
+        self.grpc_address, self.model_name, self.tok = grpc_address, model_name, tokenizer
+        # None: the router's (which may learn it from the workers), read with the speculative tokens (`_info`)
+        self._fixed_len, self.max_model_len = max_model_len, max_model_len or 0
         self.api_key = api_key
         # the router's gRPC side checks the same key: forward it on the loopback calls
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
@@ -70,6 +72,7 @@ class _Api:
         self.channel = self.stub = self.health = None
         self.pool = pool or CpuPool()
         self._k: int | None = None
+        self._info_at = -INFO_SECONDS
 
     async def on_startup(self, app) -> None:
         self.channel = (grpc.aio.secure_channel(self.grpc_address, self.tls.channel_credentials(),
@@ -123,6 +126,7 @@ class _Api:
         raise ApiError(503, "the router is not ready", "service_unavailable_error")
 
     async def models(self, request) -> web.Response:
+        await self._info()
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
                 "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
         return web.json_response({"object": "list", "data": [card]})
@@ -139,6 +143,7 @@ class _Api:
         return self.tok
 
     async def tokenize(self, request) -> web.Response:
+        await self._info()
         return web.json_response(await self.pool.run(self._tokenize, await self._body(request)))
 
     def _tokenize(self, body: dict) -> dict:
@@ -166,11 +171,17 @@ class _Api:
             raise bad(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
         return {"prompt": tok.decode(tokens)}
 
+    async def _info(self) -> None:
+        """The router's speculative tokens and (without a fixed one) max_model_len, re-read every INFO_SECONDS."""
+        if self._k is not None and (self._fixed_len or time.monotonic() - self._info_at < INFO_SECONDS):
+            return
+        info = await self.stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=10.0, metadata=self.metadata)
+        self._k, self._info_at = info.num_speculative_tokens, time.monotonic()
+        if not self._fixed_len:
+            self.max_model_len = info.max_model_len
+
     async def _speculative_tokens(self) -> int:
-        if self._k is None:
-            info = await self.stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=10.0,
-                                                metadata=self.metadata)
-            self._k = info.num_speculative_tokens
+        await self._info()
         return self._k
 
     # -- shared parsing
@@ -466,6 +477,7 @@ class _Api:
             stream=fields.field(body, "stream", (bool,), False), include_usage=self._include_usage(body))
 
     async def chat(self, request) -> web.StreamResponse:
+        await self._info()
         c = await self.pool.run(self._chat_request, await self._body(request))
         n, top_n, echo_text = c.n, c.top_n, c.echo_text
         if not c.reqs[0].sampling.HasField("max_tokens"):  # as vLLM: whatever room the context leaves
@@ -572,7 +584,7 @@ class HttpServer:
 
 
 def start_http_server(grpc_address: str, host: str, port: int, model_name: str, tokenizer,
-                      max_model_len: int, request_timeout: float = REQUEST_TIMEOUT,
+                      max_model_len: int | None, request_timeout: float = REQUEST_TIMEOUT,
                       api_key: str | None = None, tls: Tls | None = None,
                       max_body_bytes: int = 64 * 1024 * 1024, metrics_registry: CollectorRegistry | None = None,
                       cors: Cors | None = None, pool: CpuPool | None = None,

@@ -26,8 +26,8 @@ def _list(s: str | None) -> list[str]:
 
 def add_args(ap) -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or preset name (as the workers')")
-    ap.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output in tokens (as the "
-                    "workers')")
+    ap.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: "
+                    "the shortest the workers report)")
     ap.add_argument("--num-speculative-tokens", type=int, default=2, help="the workers' MTP drafts per step")
     add_server_args(ap, port=50051)
     ap.add_argument("--prefill-workers", default=None, help="comma-separated host:port list; with neither this nor "

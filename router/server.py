@@ -90,19 +90,27 @@ class _RequestMetrics:
 
 
 class Router(router_pb2_grpc.TandemServicer):
-    def __init__(self, cfg: ModelConfig, model_name: str, max_model_len: int, num_speculative_tokens: int,
+    def __init__(self, cfg: ModelConfig, model_name: str, max_model_len: int | None, num_speculative_tokens: int,
                  prefill: WorkerPool | None, decode: WorkerPool, tokenizer=None, transfer_backend: str = "",
                  queue_timeout: float = 60.0, metrics=None, max_queued_requests: int | None = None,
                  decode_failover: bool = False):
         self.queue_timeout, self.max_queued, self.failover = queue_timeout, max_queued_requests, decode_failover
         self._queued = 0  # requests waiting for decode capacity now (bounded by max_queued)
-        self.cfg, self.model_name, self.max_model_len = cfg, model_name, max_model_len
+        self.cfg, self.model_name, self._max_model_len = cfg, model_name, max_model_len
         self.k, self.prefill, self.decode, self.tokenizer = num_speculative_tokens, prefill, decode, tokenizer
         self.transfer_backend, self.metrics = transfer_backend, metrics
         self.mode = "colocated" if prefill is None else "disaggregated"
         self._lock = threading.Lock()
         self._active: dict[str, _Active] = {}
         self.draining = False
+
+    @property
+    def max_model_len(self) -> int:
+        """--max-model-len, else the shortest the workers report, else (none reported yet) the model's own."""
+        if self._max_model_len:
+            return self._max_model_len
+        return min((n for n in (p.max_model_len() for p in self._pools()) if n),
+                   default=self.cfg.max_position_embeddings)
 
     def busy(self) -> bool:
         with self._lock:
@@ -197,9 +205,10 @@ class Router(router_pb2_grpc.TandemServicer):
             bad(f"stop: at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all")
         if any(t >= self.cfg.vocab_size for t in params.stop_token_ids):
             bad(f"sampling: stop_token_ids out of range [0, {self.cfg.vocab_size})")
-        if len(prompt) + params.max_tokens + self.k > self.max_model_len:
+        limit = self.max_model_len
+        if len(prompt) + params.max_tokens + self.k > limit:
             bad(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens})"
-                f"{f' + {self.k} speculative' if self.k else ''} exceeds max_model_len ({self.max_model_len})")
+                f"{f' + {self.k} speculative' if self.k else ''} exceeds max_model_len ({limit})")
         return request.request_id or uuid.uuid4().hex, prompt, params
 
     # ---- one request ------------------------------------------------------------------------------------------

@@ -123,6 +123,12 @@ class WorkerPool:
             return w.load.free_kv_tokens < tokens or not w.load.free_state_slots
         return sorted(ws, key=lambda w: (full(w), cost(w), random.random()))
 
+    def max_model_len(self) -> int:
+        """The shortest max_model_len the healthy workers reported (0: none reported yet)."""
+        with self._lock:
+            lens = [w.load.max_model_len for w in self.workers.values() if w.healthy and w.load.max_model_len]
+        return min(lens, default=0)
+
     def all(self) -> list[Worker]:
         with self._lock:
             return list(self.workers.values())

@@ -62,5 +62,8 @@ class TandemClient:
         return self.stub.GenerateUnary(self.request(prompt, params, request_id), timeout=timeout,
                                        metadata=self.metadata)
 
+    def model_info(self) -> router_pb2.ModelInfo:
+        return self.stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=10.0, metadata=self.metadata)
+
     def server_info(self) -> router_pb2.ServerInfo:
         return self.stub.GetServerInfo(router_pb2.GetServerInfoRequest(), timeout=10.0, metadata=self.metadata)

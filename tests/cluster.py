@@ -30,9 +30,11 @@ def cancel_at_three_stages(cluster: Cluster) -> None:
 
 def assert_idle(cluster: Cluster) -> None:
     info = cluster.wait_idle()
+    limit = cluster.client.model_info().max_model_len  # the router's --max-model-len, as `tandem serve` passed it
     for w in info.workers:
         ld = w.load
         assert w.healthy, w
+        assert ld.max_model_len == limit, (w.address, ld)
         assert ld.free_kv_blocks == ld.total_kv_blocks > 0, (w.address, ld)
         assert ld.free_state_slots == ld.total_state_slots > 0, (w.address, ld)
         assert ld.active_leases == ld.running_requests == ld.waiting_requests == 0, (w.address, ld)

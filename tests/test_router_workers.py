@@ -57,3 +57,19 @@ def test_placement_prefers_a_worker_whose_free_tokens_hold_the_lease():
     }
     assert [w.address for w in pool.candidates(500)] == ["roomy", "tight"]
     assert [w.address for w in pool.candidates(100)] == ["tight", "roomy"]
+
+
+def test_router_without_max_model_len_takes_the_shortest_a_healthy_worker_reports():
+    from router.server import Router
+    from tandem.engine.llm import model_config
+
+    cfg = model_config("tiny-moe")[0]
+    decode, prefill = WorkerPool("decode", ["unused:1"], None), WorkerPool("prefill", ["unused:1"], None)
+    router = Router(cfg, "m", None, 2, prefill, decode)
+    assert router.max_model_len == cfg.max_position_embeddings  # nothing reported yet: the model's own
+    decode.workers = {"a": _worker("a", "decode", max_model_len=4096), "b": _worker("b", "decode", max_model_len=2048)}
+    prefill.workers = {"p": _worker("p", "prefill", max_model_len=3000)}
+    assert router.max_model_len == 2048
+    decode.workers["b"].healthy = False
+    assert router.max_model_len == 3000
+    assert Router(cfg, "m", 1000, 2, prefill, decode).max_model_len == 1000  # --max-model-len wins

@@ -59,7 +59,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "free_state_slots", "total_state_slots", "active_leases", "free_kv_tokens", "total_kv_tokens")
+    __slots__ = ("running_requests", "waiting_requests", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "free_state_slots", "total_state_slots", "active_leases", "free_kv_tokens", "total_kv_tokens", "max_model_len")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class Load(_message.Message):
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     queued_prompt_tokens: int
@@ -80,4 +81,5 @@ class Load(_message.Message):
     active_leases: int
     free_kv_tokens: int
     total_kv_tokens: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., active_leases: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., total_kv_tokens: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., active_leases: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., total_kv_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...

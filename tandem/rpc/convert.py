@@ -72,4 +72,5 @@ def load_of(engine, **extra) -> common_pb2.Load:
     return common_pb2.Load(running_requests=len(sched.running), waiting_requests=len(sched.waiting),
                            free_kv_blocks=pools.blocks.num_free, total_kv_blocks=pools.blocks.capacity,
                            free_kv_tokens=pools.blocks.num_free * bs, total_kv_tokens=pools.blocks.capacity * bs,
-                           free_state_slots=pools.slots.num_free, total_state_slots=pools.slots.capacity, **extra)
+                           free_state_slots=pools.slots.num_free, total_state_slots=pools.slots.capacity,
+                           max_model_len=engine.ecfg.max_model_len, **extra)
