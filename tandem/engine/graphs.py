@@ -187,9 +187,10 @@ class DecodeGraphs:
         packed = self.draft_graphs[self.bucket].replay()[:n].tolist()  # the step's one wait for the device
         return [t for row in packed for t in row[:q]], [row[q] for row in packed], [row[q + 1 :] for row in packed]
 
-    def capture_all(self) -> None:
-        for B in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool memory
-            if B not in self.verify_graphs:
+    def capture_all(self, largest_only: bool = False) -> None:
+        """largest_only: the largest bucket alone, which holds the pool every bucket needs (a memory profile)."""
+        for B in reversed(self.buckets[-1:] if largest_only else self.buckets):
+            if B not in self.verify_graphs:  # largest first: the smaller graphs reuse its pool memory
                 self._capture(B)
 
     def _capture(self, B: int) -> None:

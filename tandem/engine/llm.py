@@ -17,7 +17,7 @@ from tandem.cache.sizing import GIB, cache_bytes, log_capacity, size_caches
 from tandem.config import ConfigError, EngineConfig, ModelConfig
 from tandem.engine.runner import ModelRunner
 from tandem.engine.graphs import DecodeGraphs
-from tandem.engine.prefill_graphs import MAX_GRAPH_TOKENS
+from tandem.engine.prefill_graphs import MAX_GRAPH_TOKENS, PrefillGraphs
 from tandem.engine.sampler import draw_noise, sample, top_logprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
@@ -167,9 +167,10 @@ class Engine:
 
     def _profiled_budget(self, model) -> int:
         """On a GPU: the bytes the caches may take, gpu_memory_utilization x the device's memory less what this
-        process holds beside them: the weights and the CUDA context now, and the peak of the largest steps (a
-        step of the whole token budget, and a decode step of max_num_seqs requests with sampling and drafting),
-        run on the smallest pools that serve them."""
+        process holds beside them: the weights and the CUDA context now, the peak of the largest steps (a step of
+        the whole token budget, and a decode step of max_num_seqs requests with sampling and drafting), run on the
+        smallest pools that serve them, and the CUDA graphs' pools, captured on those pools and freed again (the
+        prefill graphs of every bucket; the largest decode bucket, whose pool the smaller ones reuse)."""
         ecfg = self.ecfg
         if not ecfg.device.startswith("cuda") or self.tp.world_size > 1:
             raise ConfigError("size the caches with kv_cache_memory_bytes or num_kv_blocks (memory is profiled on "
@@ -192,21 +193,39 @@ class Engine:
                 self.step()
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - before
+        graph_bytes = self._graph_pool_bytes(model, dev) if ecfg.cuda_graphs else 0
         self.pools = self.scheduler = self.runner = self.graphs = None
         self.ecfg = ecfg
         self.spec_stats = SpecStats(ecfg.num_speculative_tokens)  # the profile's drafts are no one's
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
         activations = max(0, peak - probe_bytes)
-        budget = int(ecfg.gpu_memory_utilization * total) - (total - free) - activations
+        budget = int(ecfg.gpu_memory_utilization * total) - (total - free) - activations - graph_bytes
         log.info("memory profile: %.2f GiB of %.2f GiB in use after loading (weights, CUDA context), %.2f GiB peak "
-                 "of the largest steps: %.2f GiB left for the caches at gpu_memory_utilization %.2f",
-                 (total - free) / GIB, total / GIB, activations / GIB, max(budget, 0) / GIB,
-                 ecfg.gpu_memory_utilization)
+                 "of the largest steps, %.2f GiB of CUDA graphs: %.2f GiB left for the caches at "
+                 "gpu_memory_utilization %.2f", (total - free) / GIB, total / GIB, activations / GIB,
+                 graph_bytes / GIB, max(budget, 0) / GIB, ecfg.gpu_memory_utilization)
         if budget <= 0:
             raise ConfigError(f"no memory left for the KV cache at gpu_memory_utilization "
                               f"{ecfg.gpu_memory_utilization}: raise it or load a smaller model")
         return budget
+
+    def _graph_pool_bytes(self, model, dev) -> int:
+        """The device memory the serving engine's CUDA graphs will hold, captured here on the probe's pools."""
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(dev)[0]
+        prefill = PrefillGraphs(model, self.pools.layer_caches, self.ecfg)
+        prefill.capture_all()
+        decode = None
+        if not self.prefill_only:
+            decode = DecodeGraphs(model, self.pools, self.ecfg)
+            decode.capture_all(largest_only=True)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # the captures' eager warm-ups are not the graphs' memory
+        held = free - torch.cuda.mem_get_info(dev)[0]
+        del prefill, decode
+        torch.cuda.empty_cache()
+        return max(0, held)
 
     def capture_graphs(self) -> None:
         """Captures the decode graph of every batch bucket and the prefill graphs of every token bucket now (a
@@ -218,7 +237,7 @@ class Engine:
                 t0, free0 = time.monotonic(), torch.cuda.mem_get_info(self.ecfg.device)[0]
                 graphs.capture_all()
                 free, total = torch.cuda.mem_get_info(self.ecfg.device)
-                # their pools sit outside the caches' budget, in the device's 1 - gpu_memory_utilization
+                # what they hold was set aside when the caches were sized (`_profiled_budget`)
                 log.info("captured %s %s in %.1f s: they hold %.2f GiB; %.2f GiB of %.2f GiB left free", what,
                          graphs.buckets, time.monotonic() - t0, (free0 - free) / GIB, free / GIB, total / GIB)
 
