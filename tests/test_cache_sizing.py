@@ -62,6 +62,25 @@ def test_slots_are_capped_to_leave_one_max_length_request_its_blocks(caplog):
     assert pool_bytes(eng) == budget
 
 
+def test_the_smallest_budget_serves_a_max_length_request():
+    """A pool of exactly one max_model_len request's blocks starts it (admission's free-block watermark cannot
+    hold it back on an idle pool), and it gives the large pool's tokens."""
+    from tandem.engine.sampling_params import SamplingParams
+
+    blk, slot = per_block_and_slot()
+    prompt, params = list(range(3, 33)), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)  # 30 + 30 + 2
+    outs = []
+    for eng in (engine(kv_cache_memory_bytes=17 * blk + 2 * slot), engine(num_kv_blocks=64)):
+        eng.add_request("r", prompt, params)
+        done = []
+        for _ in range(200):  # bounded: a request that is never admitted would loop forever
+            if not eng.has_work():
+                break
+            done += eng.step()
+        outs.append([s.output_token_ids for s in done])
+    assert len(outs[0]) == 1 and len(outs[0][0]) == 30 and outs[0] == outs[1]
+
+
 def test_a_budget_below_one_max_length_request_is_refused():
     blk, slot = per_block_and_slot()
     budget = 16 * blk + 2 * slot  # one block short

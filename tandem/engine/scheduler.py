@@ -87,9 +87,12 @@ class Scheduler:
         return True
 
     def _allocate(self, seq: Sequence, rows: int) -> bool:
-        """Blocks for `rows` rows and a state slot for a request that holds none, leaving the watermark free."""
-        if len(self.running) + len(self.reserved) >= self.ecfg.max_num_seqs or not self.pools.slots.can_allocate(1) \
-                or not self.pools.blocks.can_allocate(self._missing_blocks(seq, rows) + self.watermark):
+        """Blocks for `rows` rows and a state slot for a request that holds none, leaving the watermark free
+        (unless the pool is idle: a request that needs every block must still start)."""
+        held = len(self.running) + len(self.reserved)
+        watermark = self.watermark if held else 0
+        if held >= self.ecfg.max_num_seqs or not self.pools.slots.can_allocate(1) \
+                or not self.pools.blocks.can_allocate(self._missing_blocks(seq, rows) + watermark):
             return False
         self._grow(seq, rows)
         seq.state_slots = self.pools.allocate_slots(1)
