@@ -211,8 +211,13 @@ class Engine:
         return budget
 
     def _graph_pool_bytes(self, model, dev) -> int:
-        """The device memory the serving engine's CUDA graphs will hold, captured here on the probe's pools."""
+        """The device memory the serving engine's CUDA graphs will hold, captured here on a probe of one state slot
+        (the graphs' memory does not depend on the pools' sizes; the slots of max_num_seqs requests could leave
+        too little room for them)."""
+        self.pools = self.scheduler = self.runner = self.graphs = None
         torch.cuda.empty_cache()
+        self.ecfg = replace(self.ecfg, num_state_slots=1)
+        self._build_caches(model)
         free = torch.cuda.mem_get_info(dev)[0]
         prefill = PrefillGraphs(model, self.pools.layer_caches, self.ecfg)
         prefill.capture_all()
