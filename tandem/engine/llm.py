@@ -179,7 +179,6 @@ class Engine:
         self.ecfg = replace(ecfg, num_kv_blocks=ecfg.blocks_per_seq + 1, num_state_slots=ecfg.max_num_seqs,
                             cuda_graphs=False)
         self._build_caches(model)
-        probe_bytes = cache_bytes(self.cfg, self.ecfg, hasattr(model, "mtp"))
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
@@ -189,8 +188,12 @@ class Engine:
             ids = [f"__profile-{i}" for i in range(len(lengths))]
             for rid, n in zip(ids, lengths):
                 self.add_request(rid, [i % self.cfg.vocab_size for i in range(n)], params)
-            while self.has_work():
+            for _ in range(len(lengths) * (ecfg.max_model_len + 4)):  # a profile that cannot finish fails the start
+                if not self.has_work():
+                    break
                 self.step()
+            else:
+                raise RuntimeError("the memory profile's requests did not finish")
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - before
         graph_bytes = self._graph_pool_bytes(model, dev) if ecfg.cuda_graphs else 0
@@ -199,7 +202,7 @@ class Engine:
         self.spec_stats = SpecStats(ecfg.num_speculative_tokens)  # the profile's drafts are no one's
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
-        activations = max(0, peak - probe_bytes)
+        activations = max(0, peak)  # `before` counted the probe's pools already
         budget = int(ecfg.gpu_memory_utilization * total) - (total - free) - activations - graph_bytes
         log.info("memory profile: %.2f GiB of %.2f GiB in use after loading (weights, CUDA context), %.2f GiB peak "
                  "of the largest steps, %.2f GiB of CUDA graphs: %.2f GiB left for the caches at "
