@@ -237,7 +237,7 @@ print(f'[gap] engine alone {alone:.1f} tok/s, served {served:.1f} tok/s: {served
         pid=$!
         if wait_announced "$OUT/$name.serve.log" $pid; then
             grep -E "memory profile|KV cache:|max_num_seqs lowered|captured" "$OUT/$name.serve.log" | sed "s/^/[$name] /"
-            timeout 300 python3 benchmarks/long_context.py --model $MODEL --dtype $DTYPE --prompt-len $((len - 128)) \
+            timeout 300 python3 benchmarks/long_context.py --model $MODEL --dtype $DTYPE --prompt-len $((len - 130)) \
                 --max-tokens 128 --k 2 --tokens-per-step 2.394 --bandwidth-gbs $bw > "$OUT/$name.txt" 2>&1
             sed "s/^/[$name] /" "$OUT/$name.txt" | tail -4
             metrics=$(grep -o 'metrics=[^ ]*' "$OUT/$name.serve.log" | cut -d= -f2 | tr ',' '\n' | tail -n +2 \
