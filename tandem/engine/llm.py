@@ -221,19 +221,26 @@ class Engine:
         torch.cuda.empty_cache()
         self.ecfg = replace(self.ecfg, num_state_slots=1)
         self._build_caches(model)
-        free = torch.cuda.mem_get_info(dev)[0]
+        def free() -> int:
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()  # the captures' eager warm-ups are not the graphs' memory
+            return torch.cuda.mem_get_info(dev)[0]
+
+        start = free()
         prefill = PrefillGraphs(model, self.pools.layer_caches, self.ecfg)
         prefill.capture_all()
+        after_prefill = free()
         decode = None
         if not self.prefill_only:
             decode = DecodeGraphs(model, self.pools, self.ecfg)
             decode.capture_all(largest_only=True)
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()  # the captures' eager warm-ups are not the graphs' memory
-        held = free - torch.cuda.mem_get_info(dev)[0]
+        end = free()
+        log.info("memory profile: prefill CUDA graphs (token counts up to %d) hold %.2f GiB, decode CUDA graphs "
+                 "(batch %d) %.2f GiB", prefill.buckets[-1], (start - after_prefill) / GIB,
+                 decode.buckets[-1] if decode else 0, (after_prefill - end) / GIB)
         del prefill, decode
         torch.cuda.empty_cache()
-        return max(0, held)
+        return max(0, start - end)
 
     def capture_graphs(self) -> None:
         """Captures the decode graph of every batch bucket and the prefill graphs of every token bucket now (a
