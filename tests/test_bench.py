@@ -375,6 +375,17 @@ def test_multi_turn_grpc(cluster, tmp_path, capsys):
         assert "absent (no tandem:prefix_cache_*" in out
 
 
+def test_multi_turn_bad_lengths(cluster, tmp_path):
+    """Conversations longer than the server's max_model_len (256 here) are refused before anything is sent."""
+    base = ["--backend", "grpc", "--address", cluster.address, "--dataset-name", "multi-turn", "--num-prompts", "2",
+            "--disable-tqdm"]
+    with pytest.raises(ValueError, match="over the server's max_model_len 256"):
+        bench([*base, "--system-prompt-len", "100", "--turns", "4", "--multi-turn-input-len", "20",
+               "--multi-turn-output-len", "30"])  # 100 + 4 x (20 + 30) = 300 tokens
+    with pytest.raises(ValueError, match="synthetic"):
+        bench([*base, "--system-prompt-len", "100", "--dataset-path", str(tmp_path / "x.json")])
+
+
 def test_multi_turn_sharegpt_http(cluster, tmp_path):
     """ShareGPT conversations as text over HTTP: each turn's prompt, as the server counted it, is the text of the
     previous prompt, the answer it returned and the next user message (a conversation whose first reply is

@@ -353,6 +353,8 @@ def _requests(args, info: dict, tokenizer) -> list:
         return datasets.sample_sharegpt(n, tokenizer, args.dataset_path, args.output_len or args.sharegpt_output_len,
                                         args.seed)
     if args.dataset_name == "multi-turn" and args.dataset_path:
+        if args.system_prompt_len:
+            raise ValueError("--system-prompt-len is for synthetic conversations, not with --dataset-path")
         return datasets.sample_multi_turn_sharegpt(n, tokenizer, args.dataset_path, args.turns,
                                                    args.output_len or args.multi_turn_output_len, args.seed,
                                                    info.get("max_model_len") or 2048)
