@@ -1,8 +1,8 @@
 """One streamed request, timed: over gRPC (`tandem.v1.Tandem/Generate`) or OpenAI completions SSE (any
 OpenAI-compatible server, Tandem's router included). Each records when every chunk arrived; a chunk may carry
 several tokens (one speculative step), as vLLM's client counts them too. Where the server says how many prompt
-tokens came from its prefix cache (gRPC `num_cached_tokens`, HTTP `usage.prompt_tokens_details.cached_tokens`),
-the output keeps it."""
+tokens came from its prefix cache (gRPC `cached_tokens`, HTTP `usage.prompt_tokens_details.cached_tokens`), the
+output keeps it."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class GrpcBackend:
     def __init__(self, address: str):
         self.address = address
         self.channel = self.stub = None
-        self.reports_cached = False
+        self.cached_field = None
 
     async def open(self) -> None:
         import grpc
@@ -71,8 +71,10 @@ class GrpcBackend:
         from tandem.rpc import router_pb2, router_pb2_grpc
         from tandem.rpc.server import channel_options
 
-        # where the proto has the field, every response says how many prompt tokens the prefix cache served
-        self.reports_cached = "num_cached_tokens" in router_pb2.GenerateResponse.DESCRIPTOR.fields_by_name
+        # where the proto has the field, the responses say how many prompt tokens the prefix cache served
+        # (`cached_tokens` as in OpenAI's usage, or the workers' `num_cached_tokens`)
+        fields = router_pb2.GenerateResponse.DESCRIPTOR.fields_by_name
+        self.cached_field = next((f for f in ("cached_tokens", "num_cached_tokens") if f in fields), None)
         self.channel = grpc.aio.insecure_channel(self.address, options=channel_options())
         self.stub = router_pb2_grpc.TandemStub(self.channel)
 
@@ -111,8 +113,8 @@ class GrpcBackend:
                     out.output_ids.extend(m.token_ids)
                 text.append(m.text)
                 out.output_tokens, out.prompt_len = m.completion_tokens, m.prompt_tokens or out.prompt_len
-                if self.reports_cached:
-                    out.cached_tokens = max(out.cached_tokens or 0, m.num_cached_tokens)
+                if self.cached_field:
+                    out.cached_tokens = max(out.cached_tokens or 0, getattr(m, self.cached_field))
             out.success = True
         except grpc.aio.AioRpcError as e:
             out.error = f"{e.code().name}: {e.details()}"
