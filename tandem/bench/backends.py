@@ -1,6 +1,8 @@
 """One streamed request, timed: over gRPC (`tandem.v1.Tandem/Generate`) or OpenAI completions SSE (any
 OpenAI-compatible server, Tandem's router included). Each records when every chunk arrived; a chunk may carry
-several tokens (one speculative step), as vLLM's client counts them too."""
+several tokens (one speculative step), as vLLM's client counts them too. Where the server says how many prompt
+tokens came from its prefix cache (gRPC `cached_tokens`, HTTP `usage.prompt_tokens_details.cached_tokens`), the
+output keeps it."""
 
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ class RequestOutput:
     latency: float = 0.0
     start_time: float = 0.0
     generated_text: str = ""
+    output_ids: list[int] | None = None  # the answer's token ids, where the wire carries them (gRPC)
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache; None: not reported
+    turn: int = 0  # its index in its conversation (multi-turn)
     error: str = ""
 
 
@@ -58,13 +63,18 @@ class GrpcBackend:
     def __init__(self, address: str):
         self.address = address
         self.channel = self.stub = None
+        self.cached_field = None
 
     async def open(self) -> None:
         import grpc
 
-        from tandem.rpc import router_pb2_grpc
+        from tandem.rpc import router_pb2, router_pb2_grpc
         from tandem.rpc.server import channel_options
 
+        # where the proto has the field, the responses say how many prompt tokens the prefix cache served
+        # (`cached_tokens` as in OpenAI's usage, or the workers' `num_cached_tokens`)
+        fields = router_pb2.GenerateResponse.DESCRIPTOR.fields_by_name
+        self.cached_field = next((f for f in ("cached_tokens", "num_cached_tokens") if f in fields), None)
         self.channel = grpc.aio.insecure_channel(self.address, options=channel_options())
         self.stub = router_pb2_grpc.TandemStub(self.channel)
 
@@ -93,15 +103,18 @@ class GrpcBackend:
             msg.text = req.prompt
         else:
             msg.token_ids.ids.extend(req.prompt)
-        out = RequestOutput(prompt_len=req.prompt_len)
+        out = RequestOutput(prompt_len=req.prompt_len, output_ids=[])
         timer, text = _Timer(out), []
         call = self.stub.Generate(msg, timeout=s.timeout)
         try:
             async for m in call:
                 if m.token_ids:
                     timer.chunk(len(m.token_ids))
+                    out.output_ids.extend(m.token_ids)
                 text.append(m.text)
                 out.output_tokens, out.prompt_len = m.completion_tokens, m.prompt_tokens or out.prompt_len
+                if self.cached_field:
+                    out.cached_tokens = max(out.cached_tokens or 0, getattr(m, self.cached_field))
             out.success = True
         except grpc.aio.AioRpcError as e:
             out.error = f"{e.code().name}: {e.details()}"
@@ -167,9 +180,12 @@ class OpenAICompletionsBackend:
                     if event.get("choices"):
                         timer.chunk(1)
                         text.append(event["choices"][0].get("text") or "")
-                    if event.get("usage"):
-                        out.output_tokens = event["usage"]["completion_tokens"]
-                        out.prompt_len = event["usage"]["prompt_tokens"] or out.prompt_len
+                    if usage := event.get("usage"):
+                        out.output_tokens = usage["completion_tokens"]
+                        out.prompt_len = usage["prompt_tokens"] or out.prompt_len
+                        details = usage.get("prompt_tokens_details") or {}
+                        if details.get("cached_tokens") is not None:
+                            out.cached_tokens = int(details["cached_tokens"])
             out.success = True
         except (aiohttp.ClientError, json.JSONDecodeError, TimeoutError) as e:
             out.error = f"{type(e).__name__}: {e}"

