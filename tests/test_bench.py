@@ -40,24 +40,30 @@ def bench(argv) -> int:
     return main(ap.parse_args(argv))
 
 
+def moving_metrics(server, tick):
+    """Yields the URL of `server`'s /metrics while a thread calls `tick` every 10 ms, then stops both."""
+    stop = threading.Event()
+
+    def run():
+        while not stop.wait(0.01):
+            tick()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{server.server_port}/metrics"
+    stop.set()
+    t.join()
+    server.shutdown()
+
+
 @pytest.fixture
 def spec_metrics():
     """A Prometheus endpoint whose spec-decode counters move while the benchmark runs: per step 1 draft of 2
     tokens, first accepted, second rejected."""
     m = Metrics("tiny-moe", "decode-0", role="decode")
     server, _ = m.start_http_server(0, "127.0.0.1")
-    stop = threading.Event()
-
-    def tick():
-        while not stop.wait(0.01):
-            m.record_spec_decode(num_drafts=1, num_draft_tokens=2, accepted_per_position=[1, 0])
-
-    t = threading.Thread(target=tick, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{server.server_port}/metrics"
-    stop.set()
-    t.join()
-    server.shutdown()
+    yield from moving_metrics(
+        server, lambda: m.record_spec_decode(num_drafts=1, num_draft_tokens=2, accepted_per_position=[1, 0]))
 
 
 def test_bench_grpc_report_json_plots(cluster, tmp_path, capsys, spec_metrics):
@@ -427,19 +433,7 @@ def cache_metrics():
     reg = CollectorRegistry()
     q, h = (Counter(f"tandem:prefix_cache_{n}", n, registry=reg) for n in ("queries", "hits"))
     server, thread = serve_metrics(0, "127.0.0.1", registry=reg)
-    stop = threading.Event()
-
-    def tick():
-        while not stop.wait(0.01):
-            q.inc(10)
-            h.inc(4)
-
-    t = threading.Thread(target=tick, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{server.server_port}/metrics"
-    stop.set()
-    t.join()
-    server.shutdown()
+    yield from moving_metrics(server, lambda: (q.inc(10), h.inc(4)))
     thread.join()
 
 
