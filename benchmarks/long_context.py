@@ -25,12 +25,12 @@ import torch
 from step import step_bytes  # this script's directory is on sys.path
 from tandem import SamplingParams
 from tandem.client import TandemClient
-from tandem.engine.llm import model_config
+from tandem.model.source import model_config
 from tandem.model.loader import build_empty_model
 
 
 def meta_model(name: str, dtype: torch.dtype):
-    cfg = model_config(name)[0]
+    cfg = model_config(name)
     model = build_empty_model(cfg, "meta", dtype, with_mtp=cfg.num_mtp_layers > 0)
     if cfg.quantization is not None:
         from tandem.model.fp8 import to_fp8_layout

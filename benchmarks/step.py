@@ -66,7 +66,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tandem.config import EngineConfig, parse_dtype  # noqa: E402
-from tandem.engine.llm import Engine, build_model, load_model, model_config  # noqa: E402
+from tandem.engine.llm import Engine, build_model  # noqa: E402
+from tandem.model.source import load_model, model_config  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.model.presets import PRESETS  # noqa: E402
 from tandem.model.qwen3_5 import DecoderLayer  # noqa: E402
@@ -611,7 +612,7 @@ def main():
     if args.tensor_parallel_size > 1:  # each run launches its ranks (`new_engine`)
         if args.quantizer_launches:
             raise SystemExit("--quantizer-launches: FP8 compute does not run under tensor parallelism")
-        cfg, model = model_config(args.model)[0], None
+        cfg, model = model_config(args.model), None
     else:
         cfg, model, _ = load_model(args.model, args.device, dtype)
     if args.quantizer_launches:

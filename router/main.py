@@ -12,9 +12,10 @@ from router.server import Router
 from router.workers import WorkerPool
 from tandem.rpc import router_pb2, router_pb2_grpc
 from tandem.rpc.server import Server, Tls, add_tls_args
+from tandem.model.source import model_config
 from tandem.tokenizer import load_tokenizer_for
 from tandem.worker_setup import (DEFAULT_MODEL, add_server_args, advertise_host, announce, internal_token,
-                                 model_config, require_free_ports, serve_until_signalled, served_model_name,
+                                 require_free_ports, serve_until_signalled, served_model_name,
                                  start_metrics)
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ from tandem.client import TandemClient
 from tandem.ops.gdn import prefill_kernel
 from tandem.parallel import check_divisible
 from tandem.rpc.auth import INTERNAL_TOKEN_ENV, load_secret
-from tandem.worker_setup import StopSignal, model_config, require_free_ports, resolve_engine_args
+from tandem.model.source import model_config
+from tandem.worker_setup import StopSignal, require_free_ports, resolve_engine_args
 
 START_TIMEOUT = 300.0
 

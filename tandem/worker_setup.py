@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from tandem.config import EngineConfig, ModelConfig
-from tandem.model.presets import PRESETS, preset_config
+from tandem.config import EngineConfig
+from tandem.model.presets import PRESETS
+from tandem.model.source import model_config
 from tandem.rpc.auth import INTERNAL_TOKEN_ENV, load_secret
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ def build_worker_model(args, ecfg: EngineConfig):
 
 def stop_worker_model(model) -> None:
     """Stops the other tensor-parallel ranks (nothing to do on one rank)."""
-    from tandem.parallel import LeaderModel
+    from tandem.engine.tensor_parallel import LeaderModel
 
     if isinstance(model, LeaderModel):
         model.shutdown()
@@ -198,10 +199,6 @@ def name_late_kernel_variants() -> None:
                     kw.get("repr"), kw.get("compile", {}).get("constants"))
 
     knobs.runtime.jit_post_compile_hook = named
-
-
-def model_config(model: str) -> ModelConfig:
-    return ModelConfig.from_dir(model) if os.path.isdir(model) else preset_config(model)
 
 
 def fingerprint(args) -> str:

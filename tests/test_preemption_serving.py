@@ -12,7 +12,8 @@ import torch
 from cluster import Cluster, assert_idle
 from tandem import LLM, SamplingParams
 from tandem.rpc import common_pb2
-from tandem.worker_setup import DEFAULT_MODEL, model_config
+from tandem.model.source import model_config
+from tandem.worker_setup import DEFAULT_MODEL
 
 K, MAX_LEN, BLOCKS = 2, 64, 57  # 56 usable blocks of 4 tokens: about a quarter of the workload's tokens
 VOCAB = model_config(DEFAULT_MODEL).vocab_size

@@ -61,9 +61,9 @@ def test_placement_prefers_a_worker_whose_free_tokens_hold_the_lease():
 
 def test_router_without_max_model_len_takes_the_shortest_a_healthy_worker_reports():
     from router.server import Router
-    from tandem.engine.llm import model_config
+    from tandem.model.source import model_config
 
-    cfg = model_config("tiny-moe")[0]
+    cfg = model_config("tiny-moe")
     decode, prefill = WorkerPool("decode", ["unused:1"], None), WorkerPool("prefill", ["unused:1"], None)
     router = Router(cfg, "m", None, 2, prefill, decode)
     assert router.max_model_len == cfg.max_position_embeddings  # nothing reported yet: the model's own

@@ -10,7 +10,8 @@ import torch
 from cluster import Cluster, assert_idle, cancel_at_three_stages, long_request
 from tandem import LLM, SamplingParams
 from tandem.rpc import common_pb2, router_pb2
-from tandem.worker_setup import DEFAULT_MODEL, model_config
+from tandem.model.source import model_config
+from tandem.worker_setup import DEFAULT_MODEL
 
 K = 2
 MODEL = DEFAULT_MODEL  # the trained tandem-tiny: its MTP drafts are really accepted

@@ -13,7 +13,8 @@ from tandem.config import ModelConfig
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.model.loader import load_checkpoint
 from tandem.model.presets import preset_config, random_model
-from tandem.parallel import TensorParallelError, TPGroup
+from tandem.engine.tensor_parallel import TensorParallelError
+from tandem.parallel import TPGroup
 from admitted import admitted
 
 TOL = 1e-5

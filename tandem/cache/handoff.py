@@ -23,7 +23,7 @@ import torch
 from tandem.cache.pools import CachePools
 from tandem.config import ModelConfig
 from tandem.engine.sequence import Sequence
-from tandem.parallel import LeaderModel, Split
+from tandem.parallel import Split
 
 
 def state_splits(cfg: ModelConfig) -> dict[str, Split]:
@@ -106,7 +106,7 @@ def gather_state(cfg: ModelConfig, pools: CachePools, seq: Sequence, block_size:
     n = num_prompt_blocks(len(seq.prompt_token_ids), block_size)
     assert seq.pending_rows == 0, "a prompt's state has no pending rows"
     args = (seq.block_ids[:n], seq.state_slots[0])
-    if isinstance(model, LeaderModel):
+    if hasattr(model, "on_all_ranks"):
         return model.on_all_ranks("gather_state", *args, here=lambda: gather_across_ranks(cfg, pools, *args))
     return gather_across_ranks(cfg, pools, *args)
 
@@ -117,7 +117,7 @@ def scatter_state(cfg: ModelConfig, pools: CachePools, seq: Sequence, tensors: d
     under tensor parallelism (`model` is rank 0's `LeaderModel`) each rank gets its heads."""
     n = num_prompt_blocks(len(seq.prompt_token_ids), block_size)
     args = (seq.block_ids[:n], seq.state_slots[0])
-    if isinstance(model, LeaderModel):
+    if hasattr(model, "on_all_ranks"):
         model.on_all_ranks("scatter_state", *args, here=lambda: scatter_across_ranks(cfg, pools, *args, tensors))
     else:
         scatter_across_ranks(cfg, pools, *args, tensors)

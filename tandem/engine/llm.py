@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass, replace
@@ -24,11 +23,11 @@ from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec import SpecStats, VerifyRow, draft
 from tandem.engine.sequence import Sequence, Status
 from tandem.batch import take_rows
-from tandem.model.loader import load_checkpoint
-from tandem.model.presets import PRESETS, preset_config, random_model
 from tandem.ops.attention import DECODE_MAX_Q
 from tandem.ops.fp8 import DECODE_MAX_ROWS
-from tandem.parallel import SINGLE, LeaderModel, TPGroup, check_divisible, launch
+from tandem.engine.tensor_parallel import LeaderModel, launch
+from tandem.model.source import load_model, model_config
+from tandem.parallel import SINGLE, check_divisible
 from tandem.profiling import traced
 from tandem.tokenizer import load_tokenizer
 
@@ -37,32 +36,13 @@ log = logging.getLogger(__name__)
 PROMPT_LOGPROB_ROWS = 512  # prompt rows per full-vocab log_softmax (512 x a 248k vocab: 0.5 GB of fp32)
 
 
-def model_config(model: str) -> tuple[ModelConfig, str | None]:
-    """The config of a checkpoint directory or a preset name; returns (cfg, model_dir or None)."""
-    if os.path.isdir(model):
-        return ModelConfig.from_dir(model), model
-    if model in PRESETS:
-        return preset_config(model), None
-    raise ValueError(f"model {model!r} is neither a directory nor a preset ({sorted(PRESETS)})")
-
-
-def load_model(model: str, device: str, dtype: torch.dtype, seed: int = 0, tp: TPGroup = SINGLE):
-    """A directory with a checkpoint, or a preset name (random weights); under tensor parallelism this rank's
-    shard. Returns (cfg, model, model_dir)."""
-    cfg, model_dir = model_config(model)
-    check_divisible(cfg, tp.world_size)
-    if model_dir is not None:
-        return cfg, load_checkpoint(model_dir, cfg, device, dtype, tp=tp), model_dir
-    return cfg, random_model(cfg, device, dtype, seed, tp), None
-
-
 def build_model(model: str, ecfg: EngineConfig, seed: int = 0, tensor_parallel_size: int = 1):
     """The model an engine runs: loaded here on one rank; with `tensor_parallel_size` > 1, ranks 1.. started as
     processes of their own and this process's `LeaderModel` (its `shutdown()` stops them). Returns
     (cfg, model, model_dir)."""
     if tensor_parallel_size == 1:
         return load_model(model, ecfg.device, ecfg.dtype, seed)
-    cfg = model_config(model)[0]
+    cfg = model_config(model)
     check_divisible(cfg, tensor_parallel_size)  # before starting any process
     if ecfg.num_kv_blocks is None:  # every rank builds its pools of these sizes when it starts
         if ecfg.kv_cache_memory_bytes is None:
