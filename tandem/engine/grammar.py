@@ -39,27 +39,28 @@ class GrammarMasks:
         """rows: (first logits row, matcher, drafts) per constrained request. Returns the logits rows masked and
         their masks [n, words]: row first + j gets the matcher's state after drafts[:j]."""
         import llguidance as llg
-        import llguidance.torch  # noqa: F401  (llg.torch below)
 
         if self._executor is None:
             self._executor = llg.LLExecutor()
         n = sum(len(d) + 1 for _, _, d in rows)
-        host = torch.full((n, self.words), -1, dtype=torch.int32)  # -1: every token (rows nobody uses)
+        host = np.full((n, self.words), -1, dtype=np.int32)  # -1: every token (rows nobody uses)
         targets, plain, drafted, at = [], [], [], 0
         for first, matcher, drafts in rows:
             targets.extend(range(first, first + len(drafts) + 1))
             if matcher.is_error():  # a token it refused was forced (emulated acceptance): it may only end
-                host[at : at + len(drafts) + 1] = torch.from_numpy(self.eos_only)
+                host[at : at + len(drafts) + 1] = self.eos_only
             elif drafts:
                 drafted.append((matcher, at, list(drafts)))
             else:
                 plain.append((matcher, at))
             at += len(drafts) + 1
-        if plain:  # llguidance's draft form refuses an empty draft list
-            llg.torch.fill_next_token_bitmask_par(self._executor, plain, host)
+        # llguidance writes each mask at host[index] (and a drafted request's next ones after it) on its threads
+        ptr, row_bytes = host.ctypes.data, self.words * 4
+        if plain:  # its draft form refuses an empty draft list
+            self._executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, n)
         if drafted:
-            llg.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, host)
-        return targets, host.numpy()
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, row_bytes, n)
+        return targets, host
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, rows: list[tuple[int, object, list[int]]]) -> None:
