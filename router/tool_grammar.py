@@ -31,7 +31,8 @@ def tool_call_grammar(tools: list[dict], named: str | None, parallel: bool) -> s
     for i, f in enumerate(funcs):
         params = f.get("parameters") or {}
         props = params.get("properties") or {}
-        required = set(params.get("required") or ())
+        required = params.get("required")
+        required = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
         parts = []
         for j, (name, schema) in enumerate(props.items()):
             rules.append(f"p_{i}_{j}: {_lit(f'<parameter={name}>' + chr(10))} {_value(schema)} "
@@ -55,6 +56,10 @@ def _value(schema) -> str:
             return "(" + " | ".join(_lit(v) for v in schema["enum"]) + ")"
         if isinstance(schema.get("pattern"), str):  # the whole value matches it (so a search finds it too)
             return "/" + schema["pattern"].replace("/", "\\/") + "/"
-        lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
-        return f"/[^<\\n]{{{lo},{'' if hi is None else int(hi)}}}/"
+        lo, hi = _count(schema.get("minLength")) or 0, _count(schema.get("maxLength"))
+        return f"/[^<\\n]{{{lo},{'' if hi is None else max(hi, lo)}}}/"
     return "%json " + json.dumps({**schema, **_COMPACT})
+
+
+def _count(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None

@@ -232,7 +232,8 @@ def post(url, body, path="/v1/chat/completions"):
     (0, {"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
     (0, {"tool_choice": "required"}, "tool_choice"),
     (0, {"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    (0, {"response_format": {"type": "json_object"}}, "response_format"),
+    (0, {"response_format": {"type": "xml"}}, "response_format"),
+    (0, {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     (0, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages"),
     (0, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
