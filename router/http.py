@@ -476,6 +476,8 @@ class _Api:
         sampling = fields.sampling(body, max_tokens, top_n if want_lp else None)
         if so is not None:
             sampling.structured_outputs.CopyFrom(so)
+            # a thinking model thinks first: the constraint applies to the answer after its reasoning
+            sampling.structured_outputs.after_think = self.parsers.reasoning is not None and prompt_opens_think(text)
         fmt = OutputFormat(reasoning=self.parsers.reasoning is not None, prompt_in_think=prompt_opens_think(text),
                            tools=tools.schemas() if tools.parsed() else None, parallel=tools.parallel)
         return SimpleNamespace(

@@ -37,6 +37,9 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (compact JSON only)
+    # the prompt opened the model's thinking: the constraint starts after `</think>` (and the blank lines after
+    # it), as vLLM starts a thinking model's grammar once its reasoning parser sees the reasoning end
+    after_think: bool = False
 
     def __post_init__(self):
         if isinstance(self.json, (dict, bool)):  # a schema as Python values, as vLLM takes it
@@ -54,7 +57,19 @@ class StructuredOutputs:
 
 def grammar_spec(so: StructuredOutputs) -> str:
     """The llguidance grammar of a constraint; ValueError with the parser's message when it is invalid."""
-    return _spec(so.json, so.json_object, so.regex, so.choice, so.grammar, so.disable_any_whitespace)
+    spec = _spec(so.json, so.json_object, so.regex, so.choice, so.grammar, so.disable_any_whitespace)
+    return _after_think(spec) if so.after_think else spec
+
+
+# free text up to the first `</think>` (a lazy lexeme: the shortest match), then the constraint's own grammar
+_THINK = 'start: think BLANK? @constraint\nthink[lazy]: /(?s:.*)<\\/think>/\nBLANK: /[ \\n]+/\n'
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_GRAMMARS)
+def _after_think(spec: str) -> str:
+    grammars = json.loads(spec)["grammars"]
+    grammars[0] = dict(grammars[0], name="constraint")
+    return json.dumps({"grammars": [{"name": "think", "lark_grammar": _THINK}, *grammars]})
 
 
 @functools.lru_cache(maxsize=MAX_CACHED_GRAMMARS)

@@ -118,3 +118,19 @@ def test_mtp_under_grammar_equals_k0(monkeypatch):
     engine.add_request("plain", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0))
     while engine.has_work():
         engine.step()
+
+
+def test_after_think_constraint_starts_after_the_reasoning():
+    """`after_think`: any text (tags and half tags included) up to the first `</think>`, blank lines, then the
+    constraint; the mask after the reasoning is the constraint's own start mask."""
+    compiler = GrammarCompiler(TINY, 4096, [2])
+    so = StructuredOutputs(json=SCHEMA, disable_any_whitespace=True)
+    tok = compiler._ll()
+    m = compiler.matcher(StructuredOutputs(json=so.json, disable_any_whitespace=True, after_think=True))
+    thought = tok.tokenize_str('Hmm {"ok": <th </thin> x</think>\n\n')
+    assert m.consume_tokens(thought)
+    start = np.frombuffer(compiler.matcher(so).compute_bitmask(), dtype=np.int32)[:128].copy()
+    after = np.frombuffer(m.compute_bitmask(), dtype=np.int32)[:128].copy()
+    assert _allowed(start, 4096) <= _allowed(after, 4096)  # the constraint's start (and more blank lines)
+    assert not m.is_accepting() and m.consume_tokens(tok.tokenize_str('{"ok":true,"n":5,"tag":"red","s":""}'))
+    assert m.is_accepting()
