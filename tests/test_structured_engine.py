@@ -1,7 +1,8 @@
-"""Structured outputs in the engine (tandem/engine/grammar.py, tandem/structured.py): the bitmask against a plain
-loop over its bits, the masks of MTP verify rows against matchers advanced one token at a time, and the engine
-with k = 2 (drafts verified under the grammar, rejected ones rolled back; the decode graphs' padded path) against
-the engine with k = 0, token for token, every answer checked by jsonschema / re / the choice list."""
+"""Structured outputs in the engine (tandem/engine/grammar.py, tandem/structured.py): the mask kernel and its torch
+reference against a plain loop over the bits, the masks of MTP verify rows against matchers advanced one token at
+a time, and the engine with k = 2 (drafts verified under the grammar, rejected ones rolled back; the decode graphs'
+padded path) against the engine with k = 0, token for token, every answer checked by jsonschema / re / the choice
+list."""
 
 import json
 import re
@@ -11,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.engine.grammar import GrammarMasks, apply_token_bitmask
+from tandem.engine.grammar import GrammarMasks
 from tandem.engine.llm import LLM
 from tandem.engine.sampling_params import SamplingParams
+from tandem.ops.token_mask import mask_rows_torch_, mask_rows_triton_
+from tandem.ops.triton_utils import HAS_TRITON
 from tandem.structured import GrammarCompiler, StructuredOutputs, grammar_spec
 
 TINY = "models/tandem-tiny"
@@ -25,15 +28,25 @@ REGEX = r"[a-c]{2,4}-\d\d"
 CHOICES = ["yes", "no", "maybe so"]
 
 
-def test_bitmask_apply_equals_bit_loop():
+def test_mask_rows_kernel_and_reference_equal_bit_loop():
+    """Rows 3 and 0 of 5 masked in place (a vocabulary that is not a multiple of 32 or of the kernel's block), by
+    the torch reference and the Triton kernel (interpreted on the CPU), against a loop over the bits."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 70, generator=g)
-    words = torch.randint(-2**31, 2**31 - 1, (3, 3), generator=g, dtype=torch.int64).to(torch.int32)
-    out = apply_token_bitmask(logits, words)
-    for r in range(3):
-        for t in range(70):
-            allowed = (int(words[r, t // 32]) >> (t % 32)) & 1
-            assert out[r, t] == (logits[r, t] if allowed else float("-inf"))
+    logits = torch.randn(5, 1100, generator=g)
+    words = torch.randint(-2**31, 2**31 - 1, (2, 35), generator=g, dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([3, 0])
+    want = logits.clone()
+    for i, r in enumerate(rows.tolist()):
+        for t in range(1100):
+            if not (int(words[i, t // 32]) >> (t % 32)) & 1:
+                want[r, t] = float("-inf")
+    ref = logits.clone()
+    mask_rows_torch_(ref, rows, words)
+    assert torch.equal(ref, want)
+    if HAS_TRITON:
+        out = logits.clone()
+        mask_rows_triton_(out, rows, words, block=256)
+        assert torch.equal(out, want)
 
 
 def _allowed(bits: np.ndarray, vocab: int) -> set[int]:

@@ -17,13 +17,7 @@ import numpy as np
 import torch
 
 from tandem.batch import to_device
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] with every token whose bit is clear in bitmask [R, ceil(V / 32)] (int32) set to -inf."""
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
-    allowed = bits.view(bitmask.shape[0], -1)[:, : logits.shape[1]].bool()
-    return logits.masked_fill(~allowed, float("-inf"))
+from tandem.ops.token_mask import mask_rows_
 
 
 class GrammarMasks:
@@ -68,4 +62,4 @@ class GrammarMasks:
         targets, masks = self.fill(rows)
         bitmask, = to_device(logits.device, masks)
         idx, = to_device(logits.device, np.asarray(targets, dtype=np.int64))
-        logits.index_copy_(0, idx, apply_token_bitmask(logits.index_select(0, idx), bitmask))
+        mask_rows_(logits, idx, bitmask)
