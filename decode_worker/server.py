@@ -472,6 +472,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         def install(engine):
             if rec.seq.status != Status.RESERVED:  # aborted meanwhile
                 raise TransferRejected(f"{LEASE_GONE} during the hand-off")
+            if rec.seq.matcher is not None and not rec.seq.matcher.validate_tokens([h.first_token]):
+                raise TransferRejected("the prefill worker's first token does not follow the request's grammar")
             engine.install_prefilled(rec.seq, h.first_token, h.first_logprobs, h.drafts, h.tensors, h.rng_state)
             rec.stage, rec.emitted, rec.installed_at = "installed", 1, time.monotonic()
             rec.expires = time.monotonic() + self.lease_seconds  # now the router has this long to attach

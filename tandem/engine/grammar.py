@@ -56,6 +56,12 @@ class GrammarMasks:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, row_bytes, n)
         return targets, host
 
+    def warm_up(self, device) -> None:
+        """Compiles the mask kernel (the one variant a model needs) before any request waits for it."""
+        logits = torch.zeros(1, self.vocab_size, device=device)
+        mask_rows_(logits, torch.zeros(1, dtype=torch.long, device=device),
+                   torch.full((1, self.words), -1, dtype=torch.int32, device=device))
+
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, rows: list[tuple[int, object, list[int]]]) -> None:
         """Masks the constrained rows of `logits` [R, V] in place (see `fill`)."""

@@ -300,6 +300,7 @@ class Engine:
                 self.step()
             for rid in ids:
                 self.abort(rid)
+        self.masks.warm_up(self.ecfg.device)  # the first constrained step compiles nothing either
         log.info("prefill kernels warmed up in %.1f s", time.monotonic() - t0)
 
     def grammar_matcher(self, params: SamplingParams):
