@@ -61,6 +61,9 @@ def add_args(ap) -> None:
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true", help="generate exactly the requested output lengths")
+    ap.add_argument("--structured-outputs", type=json.loads, default=None,
+                    help='every request under this constraint, as vLLM\'s structured_outputs request field, e.g. '
+                    '\'{"json": {"type": "array", "items": {"type": "string"}}}\' (the cost of grammar masks)')
     ap.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
     ap.add_argument("--metric-percentiles", default="99")
     ap.add_argument("--metrics-url", default=None, help="Prometheus /metrics URL(s), comma-separated")
@@ -300,7 +303,8 @@ async def _amain(args) -> list[dict]:
         requests = _requests(args, info, _tokenizer(args))
         if not requests:
             raise ValueError("the dataset gave no prompts")
-        settings = RequestSettings(args.temperature, args.top_p, args.top_k, args.ignore_eos, args.request_timeout)
+        settings = RequestSettings(args.temperature, args.top_p, args.top_k, args.ignore_eos, args.request_timeout,
+                                   args.structured_outputs)
         percentiles = [float(p) for p in args.metric_percentiles.split(",")]
         metrics = [m for m in args.percentile_metrics.split(",") if m]
         bad = sorted(set(metrics) - set(report.HEADERS))
