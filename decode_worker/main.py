@@ -7,6 +7,7 @@ import logging
 
 from decode_worker.server import DecodeWorker
 from tandem.engine.llm import Engine
+from tandem.structured import GrammarCompiler
 from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.auth import internal_auth
 from tandem.rpc.server import Server, Tls, add_tls_args
@@ -37,6 +38,7 @@ def main(args) -> int:
     metrics, metrics_address = start_metrics(args, "decode")
     tls = Tls.from_args(args)
     engine = Engine(cfg, model, ecfg)
+    engine.grammars = GrammarCompiler(args.model, cfg.vocab_size, cfg.eos_token_ids)
     prepare_engine(engine)  # it may prefill too (colocated serving)
     worker = DecodeWorker(engine, fingerprint(args), args.host, args.transfer_port,
                           advertise_host(args), lease_seconds=args.lease_seconds, metrics=metrics,

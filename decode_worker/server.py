@@ -144,7 +144,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
         try:
             params = sampling_from_proto(request.sampling)
-            seq = self.loop.call(lambda e: e.reserve(request.request_id, list(request.prompt_token_ids), params))
+            matcher = self.engine.grammar_matcher(params)  # compiled here, off the engine thread
+            seq = self.loop.call(lambda e: e.reserve(request.request_id, list(request.prompt_token_ids), params,
+                                                     matcher))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if seq is None:
@@ -470,6 +472,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         def install(engine):
             if rec.seq.status != Status.RESERVED:  # aborted meanwhile
                 raise TransferRejected(f"{LEASE_GONE} during the hand-off")
+            if rec.seq.matcher is not None and not rec.seq.matcher.validate_tokens([h.first_token]):
+                raise TransferRejected("the prefill worker's first token does not follow the request's grammar")
             engine.install_prefilled(rec.seq, h.first_token, h.first_logprobs, h.drafts, h.tensors, h.rng_state)
             rec.stage, rec.emitted, rec.installed_at = "installed", 1, time.monotonic()
             rec.expires = time.monotonic() + self.lease_seconds  # now the router has this long to attach

@@ -8,6 +8,7 @@ import torch
 
 from prefill_worker.server import DEFAULT_MAX_QUEUED_PROMPT_TOKENS, FAULTS, PrefillWorker
 from tandem.engine.llm import Engine
+from tandem.structured import GrammarCompiler
 from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.auth import internal_auth
 from tandem.rpc.server import Server, Tls, add_tls_args
@@ -43,6 +44,7 @@ def main(args) -> int:
     metrics, metrics_address = start_metrics(args, "prefill")
     tls = Tls.from_args(args)
     engine = Engine(cfg, model, ecfg, prefill_only=True)
+    engine.grammars = GrammarCompiler(args.model, cfg.vocab_size, cfg.eos_token_ids)
     prepare_engine(engine)
     worker = PrefillWorker(engine, fingerprint(args), backend,
                            args.inject_fault, metrics, ssl_context=tls.client_context() if tls else None,

@@ -78,6 +78,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         try:
             params = sampling_from_proto(request.sampling)
+            matcher = self.engine.grammar_matcher(params)  # compiled here, off the engine thread
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         done: Future = Future()
@@ -97,7 +98,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
                 if done.done():  # cancelled or past its deadline while it waited for this turn: never computed
                     return
                 try:
-                    engine.add_request(rid, prompt, params)
+                    engine.add_request(rid, prompt, params, matcher)
                 except ValueError as e:
                     done.set_result(e)
 

@@ -38,6 +38,8 @@ from router.auth import bearer_ok
 from router.chat_choice import ChatChoice, OutputFormat
 from router.chat_parsers import Parsers
 from router.chat_tools import Tools, request_tools, template_message
+from router.structured_fields import constraint
+from router.tool_grammar import tool_call_grammar
 from router.cors import Cors
 from router.cpu_pool import CpuPool
 from router.http_errors import ApiError, bad, error_middleware, from_grpc, internal_error
@@ -357,6 +359,8 @@ class _Api:
         max_tokens = fields.max_tokens(body, ("max_tokens",), least=0 if echo else 1)
         echo_only = echo and max_tokens == 0
         sampling = fields.sampling(body, 1 if echo_only else max_tokens, logprobs)
+        if (so := constraint(body)) is not None:
+            sampling.structured_outputs.CopyFrom(so)
         if echo and logprobs is not None:  # echo with logprobs: the prompt tokens' logprobs come first
             sampling.prompt_logprobs = logprobs
         return SimpleNamespace(
@@ -450,11 +454,12 @@ class _Api:
 
     def _chat_request(self, body: dict) -> SimpleNamespace:
         """Checks a chat body, templates and tokenizes it (on the CPU pool: this is the slow part of a long chat)."""
-        # structured outputs (response_format json_object / json_schema) are not built yet
-        fields.unsupported(body, {"logit_bias": ({},), "response_format": ({"type": "text"},),
-                                  "use_beam_search": (False,)})
+        fields.unsupported(body, {"logit_bias": ({},), "use_beam_search": (False,)})
         tools = request_tools(body)
         tools.check_servable(self.parsers.auto_tool_choice, self.parsers.tool_call)
+        # tool_choice required or named: the output is tool calls, by grammar (as vLLM enforces them)
+        forced = tools.choice in ("required", "named")
+        so = constraint(body, tool_call_grammar(tools.tools, tools.named, tools.parallel) if forced else None)
         ids, text = self._chat_prompt(body, tools)
         if len(ids) > self.max_model_len:
             raise bad(f"the prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})", "messages")
@@ -469,6 +474,10 @@ class _Api:
             raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         max_tokens = fields.max_tokens(body, ("max_completion_tokens", "max_tokens"))
         sampling = fields.sampling(body, max_tokens, top_n if want_lp else None)
+        if so is not None:
+            sampling.structured_outputs.CopyFrom(so)
+            # a thinking model thinks first: the constraint applies to the answer after its reasoning
+            sampling.structured_outputs.after_think = self.parsers.reasoning is not None and prompt_opens_think(text)
         fmt = OutputFormat(reasoning=self.parsers.reasoning is not None, prompt_in_think=prompt_opens_think(text),
                            tools=tools.schemas() if tools.parsed() else None, parallel=tools.parallel)
         return SimpleNamespace(

@@ -36,6 +36,7 @@ from tandem.detokenizer import IncrementalDetokenizer
 from tandem.rpc import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from tandem.rpc.server import on_end, time_left
 from tandem.rpc.convert import finish_reason_name, sampling_from_proto, sampling_to_proto
+from tandem.structured import grammar_spec
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +200,13 @@ class Router(router_pb2_grpc.TandemServicer):
             bad(f"sampling: {e}")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             bad(f"sampling: logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
+        if params.structured_outputs is not None:  # checked before the request takes a seat anywhere
+            if self.tokenizer is None:
+                bad("structured_outputs: this model has no tokenizer")
+            try:
+                grammar_spec(params.structured_outputs)
+            except ValueError as e:
+                bad(f"structured_outputs: {e}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > MAX_LOGPROBS:
             bad(f"sampling: prompt_logprobs must be at most {MAX_LOGPROBS}, got {params.prompt_logprobs}")
         if len(request.stop) > MAX_STOP_STRINGS or sum(len(x) for x in request.stop) > MAX_STOP_CHARS:
@@ -277,8 +285,9 @@ class Router(router_pb2_grpc.TandemServicer):
                         yield msg
                     return
                 except grpc.RpcError as e:
+                    # (not under a grammar: a new worker's matcher would start again at the generated tokens)
                     if not (self.failover and e.code() == grpc.StatusCode.UNAVAILABLE and not state.aborted
-                            and context.is_active()):
+                            and context.is_active() and params.structured_outputs is None):
                         raise
                     # decode failover: the worker died mid-stream. Prefill prompt + what was generated elsewhere
                     # and continue there; the next greedy token is the one the dead worker would have produced

@@ -232,7 +232,8 @@ def post(url, body, path="/v1/chat/completions"):
     (0, {"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
     (0, {"tool_choice": "required"}, "tool_choice"),
     (0, {"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    (0, {"response_format": {"type": "json_object"}}, "response_format"),
+    (0, {"response_format": {"type": "xml"}}, "response_format"),
+    (0, {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     (0, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages"),
     (0, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
@@ -349,3 +350,20 @@ def test_parser_flags():
                           model_type="llama") == Parsers(None, "qwen3_coder", True)
     with pytest.raises(ValueError, match="--tool-call-parser"):
         router_parsers("--enable-auto-tool-choice", "--tool-call-parser", "none")
+
+
+def test_constraints_start_after_the_thinking(fake):
+    """A constraint (here response_format, or the grammar tool_choice required demands) reaches the router with
+    `after_think` when the rendered prompt opens the thinking and the reasoning parser is on; the answer's JSON
+    then follows the reasoning."""
+    router, (parsed, _, plain), _ = fake
+    router.pieces, router.reason = ["</think>\n\n", '{"a": 1}'], common_pb2.FINISH_REASON_STOP
+    for url, thinking, after in ((parsed, True, True), (parsed, False, False), (plain, True, False)):
+        r = post(url, {"response_format": {"type": "json_object"},
+                       "chat_template_kwargs": {"enable_thinking": thinking}})
+        so = router.last.sampling.structured_outputs
+        assert r.status_code == 200 and so.json_object and so.after_think is after, (url, thinking)
+    assert json.loads(r.json()["choices"][0]["message"]["content"].removeprefix("</think>\n\n")) == {"a": 1}
+    post(parsed, {"tools": TOOLS, "tool_choice": "required"})
+    so = router.last.sampling.structured_outputs
+    assert so.after_think and so.grammar.startswith("start: call") and "<function=get_weather>" in so.grammar

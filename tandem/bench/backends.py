@@ -37,6 +37,7 @@ class RequestSettings:
     top_k: int | None = None
     ignore_eos: bool = False
     timeout: float = 3600.0
+    structured_outputs: dict | None = None  # vLLM's request field: every request under this constraint
 
 
 class _Timer:
@@ -99,6 +100,11 @@ class GrpcBackend:
             msg.sampling.top_p = s.top_p
         if s.top_k is not None:
             msg.sampling.top_k = max(s.top_k, 0)
+        if s.structured_outputs is not None:
+            from tandem.rpc.convert import structured_to_proto
+            from tandem.structured import StructuredOutputs
+
+            msg.sampling.structured_outputs.CopyFrom(structured_to_proto(StructuredOutputs(**s.structured_outputs)))
         if isinstance(req.prompt, str):
             msg.text = req.prompt
         else:
@@ -159,6 +165,8 @@ class OpenAICompletionsBackend:
             body["top_p"] = s.top_p
         if s.top_k is not None:
             body["top_k"] = s.top_k
+        if s.structured_outputs is not None:
+            body["structured_outputs"] = s.structured_outputs
         out = RequestOutput(prompt_len=req.prompt_len)
         timer, text = _Timer(out), []
         try:

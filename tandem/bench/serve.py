@@ -87,6 +87,9 @@ def add_args(ap) -> None:
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true", help="generate exactly the requested output lengths")
+    ap.add_argument("--structured-outputs", type=json.loads, default=None,
+                    help='every request under this constraint, as vLLM\'s structured_outputs request field, e.g. '
+                    '\'{"json": {"type": "array", "items": {"type": "string"}}}\' (the cost of grammar masks)')
     ap.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
     ap.add_argument("--metric-percentiles", default="99")
     ap.add_argument("--metrics-url", default=None, help="Prometheus /metrics URL(s), comma-separated")
@@ -403,7 +406,8 @@ async def _amain(args) -> list[dict]:
         if convs and args.backend == "openai" and not isinstance(requests[0].messages[0], str) and encode is None:
             raise ValueError("multi-turn token prompts over --backend openai need --tokenizer: the answers come "
                              "back as text, to be tokenized into the next turn's prompt")
-        settings = RequestSettings(args.temperature, args.top_p, args.top_k, args.ignore_eos, args.request_timeout)
+        settings = RequestSettings(args.temperature, args.top_p, args.top_k, args.ignore_eos, args.request_timeout,
+                                   args.structured_outputs)
         percentiles = [float(p) for p in args.metric_percentiles.split(",")]
         metrics = [m for m in args.percentile_metrics.split(",") if m]
         bad = sorted(set(metrics) - set(report.HEADERS))

@@ -16,6 +16,7 @@ from tandem.cache.sizing import GIB, cache_bytes, log_capacity, size_caches
 from tandem.config import ConfigError, EngineConfig, ModelConfig
 from tandem.engine.runner import ModelRunner
 from tandem.engine.graphs import DecodeGraphs
+from tandem.engine.grammar import GrammarMasks
 from tandem.engine.prefill_graphs import MAX_GRAPH_TOKENS, PrefillGraphs
 from tandem.engine.sampler import draw_noise, sample, top_logprobs
 from tandem.engine.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ from tandem.engine.tensor_parallel import LeaderModel, launch
 from tandem.model.source import load_model, model_config
 from tandem.parallel import SINGLE, check_divisible
 from tandem.profiling import traced
+from tandem.structured import GrammarCompiler
 from tandem.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,10 @@ class Engine:
         self.sequences: dict[str, Sequence] = {}
         self.last_step: StepShape | None = None  # of the latest step (None: it had nothing to run)
         self.on_launch = None  # called once a step's forward is on the device, before the step waits for it
+        # structured outputs: the compiler of this model's grammars (set by whoever knows the tokenizer: the
+        # workers, LLM) and the masks of constrained rows
+        self.grammars: GrammarCompiler | None = None
+        self.masks = GrammarMasks(cfg.vocab_size, cfg.eos_token_ids)
         with_mtp = hasattr(model, "mtp")
         if ecfg.num_kv_blocks is None:
             budget = ecfg.kv_cache_memory_bytes
@@ -284,30 +290,47 @@ class Engine:
                 self.step()
             for rid in ids:
                 self.abort(rid)
+        self.masks.warm_up(self.ecfg.device)  # the first constrained step compiles nothing either
         log.info("prefill kernels warmed up in %.1f s", time.monotonic() - t0)
 
-    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def grammar_matcher(self, params: SamplingParams):
+        """A request's structured-output matcher (None when it has no constraint); ValueError for a constraint
+        that does not compile. Thread-safe: workers call it in their RPC threads, off the engine thread."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured outputs are not available here: the engine has no tokenizer")
+        return self.grammars.matcher(params.structured_outputs)
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      matcher) -> Sequence:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
-        return Sequence(request_id, list(prompt_token_ids), params, eos_ids=list(self.cfg.eos_token_ids))
+        if matcher is None:
+            matcher = self.grammar_matcher(params)
+        return Sequence(request_id, list(prompt_token_ids), params, eos_ids=list(self.cfg.eos_token_ids),
+                        matcher=matcher)
 
     def _register(self, seq: Sequence) -> None:
         self.sequences[seq.request_id] = seq
         if seq.params.seed is not None:
             self.generators[seq.request_id] = torch.Generator(device=self.ecfg.device).manual_seed(seq.params.seed)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    matcher=None) -> None:
+        """`matcher`: the request's `grammar_matcher`, when it was compiled beforehand (else it is compiled here)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, matcher)
         self.scheduler.add(seq)
         self._register(seq)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence | None:
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                matcher=None) -> Sequence | None:
         """Decode worker: holds a request's blocks and slots for its hand-off; None when they are not free now.
         Raises ValueError for a request that can never fit."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, matcher)
         if not self.scheduler.reserve(seq):
             return None
         self._register(seq)
@@ -319,6 +342,8 @@ class Engine:
         scatter_state(self.cfg, self.pools, seq, state, self.ecfg.block_size, self.runner.model)
         seq.num_computed = len(seq.prompt_token_ids)
         seq.output_token_ids = [first_token]
+        if seq.matcher is not None:  # the prefill worker sampled it under the same grammar
+            seq.matcher.consume_token(first_token)
         seq.output_logprobs = [first_logprob] if first_logprob is not None else []
         seq.drafts = list(drafts)
         if rng_state is not None:
@@ -392,6 +417,8 @@ class Engine:
     def _emit(self, seq: Sequence, tok: int, logprob) -> bool:
         """Appends a token; finishes the sequence (and returns True) when a stop rule fires."""
         seq.output_token_ids.append(tok)
+        if seq.matcher is not None:
+            seq.matcher.consume_token(tok)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
         reason = self._stop_reason(seq, tok)
@@ -418,8 +445,9 @@ class Engine:
             self._prompt_logprobs(chunks, hidden, qsl)
         done = [i for i, c in enumerate(chunks) if not c.seq.in_prefill]
         if done:
-            tokens, lps = sample(model.compute_logits(take_rows(hidden, [qsl[i + 1] - 1 for i in done])),
-                                 [chunks[i].seq for i in done], self.generators)
+            logits = model.compute_logits(take_rows(hidden, [qsl[i + 1] - 1 for i in done]))
+            self._mask([(r, chunks[i].seq, 1) for r, i in enumerate(done)], logits)
+            tokens, lps = sample(logits, [chunks[i].seq for i in done], self.generators)
             first = dict(zip(done, zip(tokens.tolist(), lps)))
         finished = []
         for i, c in enumerate(chunks):
@@ -492,6 +520,7 @@ class Engine:
             views.extend(VerifyRow(c.seq, c.seq.drafts[:j]) for j in range(c.num_tokens))
         seeded = {c.seq.request_id: g.get_state() for c in chunks
                   if (g := self.generators.get(c.seq.request_id)) is not None and not c.seq.params.greedy}
+        self._mask([(start, c.seq, c.num_tokens) for c, start in zip(chunks, starts)], logits)
         tokens, lps = sample(logits, views, self.generators)
         if drafted:
             tokens, device_accepted, new_drafts = graphs.accept_and_draft(tokens)
@@ -535,6 +564,13 @@ class Engine:
                 todo.add((seq, first_pos, drafts[:accepted] + seq.output_token_ids[-1:]),
                          range(start, start + accepted + 1), True)
         return finished
+
+    def _mask(self, rows: list[tuple[int, Sequence, int]], logits: torch.Tensor) -> None:
+        """Structured outputs: (first row, sequence, rows) per request; the constrained ones' rows of `logits` get
+        their grammar masks (row j after the request's first j drafts). Nothing happens when none is constrained."""
+        constrained = [(r, s.matcher, s.drafts[: n - 1]) for r, s, n in rows if s.matcher is not None]
+        if constrained:
+            self.masks.apply(logits, constrained)
 
     def _replay_noise(self, request_id: str, state: torch.Tensor, draws: int, vocab: int) -> None:
         gen = self.generators[request_id]
@@ -603,6 +639,7 @@ class LLM:
         cfg, net, model_dir = build_model(model, ecfg, seed, tensor_parallel_size)
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = Engine(cfg, net, ecfg)
+        self.engine.grammars = GrammarCompiler(model, cfg.vocab_size, cfg.eos_token_ids, self.tokenizer)
         self._ids = itertools.count()
 
     def close(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.structured import StructuredOutputs
+
 
 @dataclass
 class SamplingParams:
@@ -22,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output follows (tandem/structured.py)
 
     def __post_init__(self):
         def check(ok: bool, msg: str):

@@ -37,6 +37,8 @@ class Sequence:
     pending_rows: int = 0
     pending_buffer: int = 0
     drafts: list[int] = field(default_factory=list)  # MTP drafts to verify in the next step
+    # structured outputs: the llguidance matcher at the emitted tokens (tandem/engine/grammar.py), else None
+    matcher: object | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     # time.monotonic() stamps for the latency metrics

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.rpc import common_pb2
+from tandem.structured import StructuredOutputs
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -25,7 +26,8 @@ def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         logprobs=m.logprobs if m.HasField("logprobs") else None, stop_token_ids=list(m.stop_token_ids),
         ignore_eos=m.ignore_eos, min_tokens=m.min_tokens,
-        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None)
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        structured_outputs=structured_from_proto(m.structured_outputs) if m.HasField("structured_outputs") else None)
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -40,6 +42,31 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         m.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         m.prompt_logprobs = p.prompt_logprobs
+    if p.structured_outputs is not None:
+        m.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
+    return m
+
+
+def structured_from_proto(m: common_pb2.StructuredOutputs) -> StructuredOutputs:
+    """ValueError when no constraint is set (the constraint itself is checked when it is compiled)."""
+    kind = m.WhichOneof("constraint")
+    if kind is None:
+        raise ValueError("structured_outputs: set one of json, json_object, regex, choice, grammar")
+    value = list(m.choice.choices) if kind == "choice" else getattr(m, kind)
+    return StructuredOutputs(**{kind: value}, disable_any_whitespace=m.disable_any_whitespace,
+                             after_think=m.after_think)
+
+
+def structured_to_proto(so: StructuredOutputs) -> common_pb2.StructuredOutputs:
+    m = common_pb2.StructuredOutputs(disable_any_whitespace=so.disable_any_whitespace, after_think=so.after_think)
+    if so.choice is not None:
+        m.choice.choices.extend(so.choice)
+    elif so.json_object:
+        m.json_object = True
+    else:
+        for kind in ("json", "regex", "grammar"):
+            if getattr(so, kind) is not None:
+                setattr(m, kind, getattr(so, kind))
     return m
 
 
