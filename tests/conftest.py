@@ -2,7 +2,14 @@ import os
 import sys
 
 import pytest
-import torch
+
+# One OpenMP thread per process, this one and every process it starts (a cluster's router and workers inherit the
+# variable): the suite runs several processes at once on few cores, and oversubscribed OpenMP workers spin while
+# they wait for one another (test_serving's colocated oracle: 48 s of CPU with two threads on a loaded 2-core
+# machine, 1.4 s with one). Set before torch is imported, which reads it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 # Without a GPU, Triton kernels run under the interpreter so the CPU suite checks them too (set before any
 # kernel module is imported).

@@ -38,6 +38,7 @@ from pathlib import Path
 assert os.environ.get("TRITON_INTERPRET") != "1", "the interpreter replaces the kernels this script compiles"
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
@@ -190,6 +191,23 @@ def _stacking_without_copies():
         torch.cat = cat
 
 
+@contextlib.contextmanager
+def _projections_not_computed():
+    """The projections torch computes (`F.linear`, the dense ones) are most of a forward's CPU time at the real
+    shapes, and their outputs, like every tensor here, are only passed to kernels that do not run: no variant
+    depends on their values. They return an uninitialised tensor of the shape, dtype and layout `F.linear` gives."""
+    linear = F.linear
+
+    def uncomputed(x, w, bias=None):
+        return x.new_empty(*x.shape[:-1], w.shape[0])
+
+    F.linear = uncomputed
+    try:
+        yield
+    finally:
+        F.linear = linear
+
+
 def compile_forward_kernels(preset: str, dtype: torch.dtype, shapes: list[str]) -> list[tuple[str, object]]:
     """(kernel name, compiled kernel) of every variant the forwards of `shapes` launch, target and MTP head."""
     found = _compile_only_on_h200()
@@ -197,7 +215,7 @@ def compile_forward_kernels(preset: str, dtype: torch.dtype, shapes: list[str]) 
     with _stacking_without_copies():
         model = build_empty_model(cfg, "cpu", dtype, with_mtp=True, fp8=cfg.quantization).fuse_projections()
     k = 2
-    with torch.inference_mode():
+    with torch.inference_mode(), _projections_not_computed():
         for shape in shapes:
             rows = parse_shape(shape)
             blocks = sum(-(-(c + n) // BLOCK_SIZE) + 1 for c, n in rows) + 1

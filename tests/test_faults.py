@@ -1,6 +1,8 @@
-"""Faults against `tandem serve` (2 prefill + 2 decode worker processes, --restart-workers): kill -9 of a decode
-worker mid-stream and of a prefill worker mid-hand-off, a stalled hand-off, client cancellations at every stage,
-and decode failover. Every scenario ends with nothing allocated anywhere (workers and router)."""
+"""Faults against `tandem serve` (worker processes under --restart-workers; two of a role where the fault needs
+another worker to go on: two decode workers for a lost decode worker and failover, two prefill workers for a lost
+prefill worker): kill -9 of a decode worker mid-stream and of a prefill worker mid-hand-off, a stalled hand-off,
+client cancellations at every stage, and decode failover. Every scenario ends with nothing allocated anywhere
+(workers and router)."""
 
 import os
 import random
@@ -21,7 +23,7 @@ from tandem.rpc import common_pb2
 
 ENGINE = ["--model", "tiny-moe", "--dtype", "float32", "--num-speculative-tokens", "2", "--block-size", "4",
           "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-          "--prefill-workers", "2", "--decode-workers", "2", "--restart-workers", "--poll-seconds", "0.5"]
+          "--restart-workers", "--poll-seconds", "0.5"]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -54,7 +56,7 @@ def prompts(n, seed=3):
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(*ENGINE, "--lease-seconds", "10")
+    c = Cluster(*ENGINE, "--prefill-workers", "1", "--decode-workers", "2", "--lease-seconds", "10")
     yield c
     assert c.stop() == 0
 
@@ -189,7 +191,8 @@ def test_cancellations_at_every_stage_leak_nothing(cluster):
 def test_kill_prefill_worker_mid_handoff_retries_elsewhere():
     """prefill-0 stalls after the decode worker accepted its hand-off header (the one-time token is spent) and is
     killed there; the router gives that lease back, reserves anew and the other prefill worker completes it."""
-    c = Cluster(*ENGINE, "--lease-seconds", "20", "--inject-fault", "stall-handoff@0")
+    c = Cluster(*ENGINE, "--prefill-workers", "2", "--decode-workers", "1", "--lease-seconds", "20",
+                "--inject-fault", "stall-handoff@0")
     try:
         ps = prompts(8, seed=21)
         params = SamplingParams(max_tokens=12, **GREEDY)
@@ -217,7 +220,8 @@ def test_kill_prefill_worker_mid_handoff_retries_elsewhere():
 
 
 def test_stalled_handoff_expires_the_lease_and_frees_both_sides():
-    c = Cluster(*ENGINE, "--lease-seconds", "1.5", "--inject-fault", "stall-handoff")
+    c = Cluster(*ENGINE, "--prefill-workers", "1", "--decode-workers", "1", "--lease-seconds", "1.5",
+                "--inject-fault", "stall-handoff")
     try:
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
@@ -240,7 +244,8 @@ def test_stalled_handoff_expires_the_lease_and_frees_both_sides():
 
 
 def test_decode_failover_continues_greedy_output_exactly():
-    c = Cluster(*ENGINE, "--lease-seconds", "10", "--decode-failover")
+    c = Cluster(*ENGINE, "--prefill-workers", "1", "--decode-workers", "2", "--lease-seconds", "10",
+                "--decode-failover")
     try:
         ps = prompts(6, seed=31)
         params = SamplingParams(max_tokens=300, **GREEDY)

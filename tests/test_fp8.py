@@ -346,13 +346,16 @@ def test_w8a8_kernel_path_quantises_in_the_producers_cpu_interpreter(fp8_dir, mo
     """The whole W8A8 model on the kernel path (every op's Triton dispatch switched on for CPU tensors, under the
     interpreter): the e4m3 groups the norms and the attention output gate write give the logits of separate
     quantiser launches bit for bit, only the experts' SwiGLU outputs are then quantised by a launch of their own,
-    and the logits keep the W8A8 bounds against the dequantised model."""
+    and the logits keep the W8A8 bounds against the dequantised model (its torch reference path: the oracle)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter case runs where there is no GPU")
     from tandem.model.qwen3_5 import DecoderLayer
     from tandem.ops import attention, gdn, linear, moe, norm, pointwise, rope
     from tandem.ops import fp8 as fp8_ops
 
+    cfg = ModelConfig.from_dir(fp8_dir)
+    ids = prompt_ids()[:12]
+    want = logits(cfg, load_checkpoint(fp8_dir, cfg, "cpu", torch.float32, progress=False), ids)  # dequantised
     for module in (attention, fp8_ops, gdn, linear, moe, norm, pointwise, rope):
         monkeypatch.setattr(module, "use_triton", lambda x: True)
     launches = []
@@ -364,8 +367,6 @@ def test_w8a8_kernel_path_quantises_in_the_producers_cpu_interpreter(fp8_dir, mo
 
     monkeypatch.setattr(fp8_ops, "quantize_activations_triton", counted)
     monkeypatch.setattr(moe, "quantize_activations_triton", counted)
-    cfg = ModelConfig.from_dir(fp8_dir)
-    ids = prompt_ids()[:12]
     model = load_w8a8(fp8_dir)
     fused = logits(cfg, model, ids)
     assert launches and all(launches), "a norm or output gate left its FP8 GEMM input to the quantiser"
@@ -375,7 +376,6 @@ def test_w8a8_kernel_path_quantises_in_the_producers_cpu_interpreter(fp8_dir, mo
             layer.quantize_in_producers(False)
     assert torch.equal(logits(cfg, model, ids), fused)
     assert len(launches) - n_fused > n_fused  # the separate launches were there to save
-    want = logits(cfg, load_checkpoint(fp8_dir, cfg, "cpu", torch.float32, progress=False), ids)  # dequantised
     lp, lq = want.log_softmax(-1), fused.log_softmax(-1)
     assert (fused - want).abs().max() <= W8A8_TOL and (lp.exp() * (lp - lq)).sum(-1).max() <= W8A8_KL_TOL
 

@@ -7,6 +7,7 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,51 +29,57 @@ def scrape(address: str) -> dict:
     return out
 
 
-def test_metrics_count_what_was_served():
-    c = Cluster(*ENGINE, "--emulated-acceptance", "0.9,0.5")  # real verify steps, some accepted, some not
-    try:
-        prompts = [[3 + i] * (5 + 3 * i) for i in range(6)]
-        max_new = [4 + 5 * i for i in range(6)]
-        threads = [threading.Thread(target=lambda p=p, m=m: list(c.client.generate(
-            p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True), timeout=60)))
-            for p, m in zip(prompts, max_new)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert_idle(c)
-        router, prefill, decode = (scrape(a) for a in c.metrics)
-        n, prompt_tokens, generated = len(prompts), sum(map(len, prompts)), sum(max_new)
+@pytest.fixture(scope="module")
+def cluster():
+    """One `tandem serve` for both tests (file order): the metrics test reads its fresh counters, then the SIGTERM
+    test ends it. Emulated acceptance: real verify steps, some drafts accepted, some not."""
+    c = Cluster(*ENGINE, "--emulated-acceptance", "0.9,0.5", "--drain-timeout", "60")
+    yield c
+    assert c.stop() == 0
 
-        assert router[("tandem:time_to_first_token_seconds_count", ())] == n
-        assert router[("tandem:e2e_request_latency_seconds_count", ())] == n
-        assert router[("tandem:request_success_total", (("finished_reason", "length"),))] == n
-        assert router[("tandem:request_success_total", (("finished_reason", "error"),))] == 0
-        assert router[("tandem:prompt_tokens_total", ())] == prompt_tokens
-        assert router[("tandem:generation_tokens_total", ())] == generated
-        assert router[("tandem:num_requests_running", ())] == 0
-        assert 0 < router[("tandem:inter_token_latency_seconds_count", ())] <= generated - n
-        healthy = [v for (name, _), v in router.items() if name == "tandem:worker_healthy"]
-        assert healthy == [1.0, 1.0]
 
-        assert prefill[("tandem:prompt_tokens_total", ())] == prompt_tokens
-        assert prefill[("tandem:request_prefill_time_seconds_count", ())] == n
-        assert prefill[("tandem:handoff_seconds_count", ())] == n
-        assert prefill[("tandem:handoff_bytes_total", ())] == decode[("tandem:handoff_bytes_total", ())] > 0
+def test_metrics_count_what_was_served(cluster):
+    c = cluster
+    prompts = [[3 + i] * (5 + 3 * i) for i in range(6)]
+    max_new = [4 + 5 * i for i in range(6)]
+    threads = [threading.Thread(target=lambda p=p, m=m: list(c.client.generate(
+        p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True), timeout=60)))
+        for p, m in zip(prompts, max_new)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert_idle(c)
+    router, prefill, decode = (scrape(a) for a in c.metrics)
+    n, prompt_tokens, generated = len(prompts), sum(map(len, prompts)), sum(max_new)
 
-        assert decode[("tandem:generation_tokens_total", ())] == generated - n  # the first tokens came from P
-        assert decode[("tandem:request_decode_time_seconds_count", ())] == n
-        drafts = decode[("tandem:spec_decode_num_draft_tokens_total", ())]
-        accepted = decode[("tandem:spec_decode_num_accepted_tokens_total", ())]
-        per_pos = [decode[("tandem:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
-                   for i in range(2)]
-        assert 0 < accepted < drafts and sum(per_pos) == accepted and per_pos[0] >= per_pos[1]
-        assert drafts == 2 * decode[("tandem:spec_decode_num_drafts_total", ())]
-        # every token after the first is the bonus of a verify step or an accepted draft
-        assert decode[("tandem:spec_decode_num_drafts_total", ())] + accepted == generated - n
-        assert decode[("tandem:kv_cache_usage_perc", ())] == 0 and decode[("tandem:leases_active", ())] == 0
-    finally:
-        assert c.stop() == 0
+    assert router[("tandem:time_to_first_token_seconds_count", ())] == n
+    assert router[("tandem:e2e_request_latency_seconds_count", ())] == n
+    assert router[("tandem:request_success_total", (("finished_reason", "length"),))] == n
+    assert router[("tandem:request_success_total", (("finished_reason", "error"),))] == 0
+    assert router[("tandem:prompt_tokens_total", ())] == prompt_tokens
+    assert router[("tandem:generation_tokens_total", ())] == generated
+    assert router[("tandem:num_requests_running", ())] == 0
+    assert 0 < router[("tandem:inter_token_latency_seconds_count", ())] <= generated - n
+    healthy = [v for (name, _), v in router.items() if name == "tandem:worker_healthy"]
+    assert healthy == [1.0, 1.0]
+
+    assert prefill[("tandem:prompt_tokens_total", ())] == prompt_tokens
+    assert prefill[("tandem:request_prefill_time_seconds_count", ())] == n
+    assert prefill[("tandem:handoff_seconds_count", ())] == n
+    assert prefill[("tandem:handoff_bytes_total", ())] == decode[("tandem:handoff_bytes_total", ())] > 0
+
+    assert decode[("tandem:generation_tokens_total", ())] == generated - n  # the first tokens came from P
+    assert decode[("tandem:request_decode_time_seconds_count", ())] == n
+    drafts = decode[("tandem:spec_decode_num_draft_tokens_total", ())]
+    accepted = decode[("tandem:spec_decode_num_accepted_tokens_total", ())]
+    per_pos = [decode[("tandem:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+               for i in range(2)]
+    assert 0 < accepted < drafts and sum(per_pos) == accepted and per_pos[0] >= per_pos[1]
+    assert drafts == 2 * decode[("tandem:spec_decode_num_drafts_total", ())]
+    # every token after the first is the bonus of a verify step or an accepted draft
+    assert decode[("tandem:spec_decode_num_drafts_total", ())] + accepted == generated - n
+    assert decode[("tandem:kv_cache_usage_perc", ())] == 0 and decode[("tandem:leases_active", ())] == 0
 
 
 def _ready(address: str, service: str):
@@ -80,8 +87,8 @@ def _ready(address: str, service: str):
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
-def test_sigterm_drains_without_failing_in_flight_requests():
-    c = Cluster(*ENGINE, "--drain-timeout", "60")
+def test_sigterm_drains_without_failing_in_flight_requests(cluster):
+    c = cluster
     results, errors = [], []
     first_tokens = threading.Semaphore(0)
 

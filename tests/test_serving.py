@@ -57,10 +57,13 @@ def stream(client, prompt, params):
     (1, "tcp", False), (2, "tcp", False), (1, "torch_distributed", False), (2, "torch_distributed", False),
     (1, "tcp", True),  # every draft accepted (emulated): messages carry k + 1 tokens
 ])
-def test_concurrent_requests_equal_colocated(oracle, workers, backend, accept_all):
+def test_concurrent_requests_equal_colocated(request, oracle, workers, backend, accept_all):
     extra = ["--emulated-acceptance", "1.0,1.0"] if accept_all else []
-    cluster = Cluster(*ENGINE, "--prefill-workers", str(workers), "--decode-workers", str(workers),
-                      "--transfer-backend", backend, *extra)
+    # two workers each over tcp (the CPU's default hand-off) is the module's cluster: no need to start it twice
+    shared = (workers, backend, accept_all) == (2, "tcp", False)
+    cluster = request.getfixturevalue("cluster") if shared else Cluster(
+        *ENGINE, "--prefill-workers", str(workers), "--decode-workers", str(workers), "--transfer-backend", backend,
+        *extra)
     try:
         prompts, params = workload()
         with ThreadPoolExecutor(len(prompts)) as pool:  # all at once: more than max_num_seqs per worker
@@ -76,7 +79,8 @@ def test_concurrent_requests_equal_colocated(oracle, workers, backend, accept_al
         assert info.transfer_backend in ("", backend) and len(info.workers) == 2 * workers
         assert_idle(cluster)
     finally:
-        assert cluster.stop() == 0
+        if not shared:
+            assert cluster.stop() == 0
 
 
 @pytest.fixture(scope="module")
