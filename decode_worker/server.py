@@ -61,6 +61,7 @@ class Output:
     finish_reason: str | None = None
     error: tuple[grpc.StatusCode, str] | None = None
     prompt_logprobs: list = field(default_factory=list)  # colocated first token: the sequence's prompt_logprobs
+    num_cached_tokens: int = 0  # colocated first token: its prompt tokens found in the prefix cache
 
 
 class _Sink:
@@ -252,7 +253,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             context.abort(*out.error)
         resp = worker_pb2.PrefillResponse(first_token_id=out.token_ids[0] if out.token_ids else 0,
                                           finish_reason=finish_reason_to_proto(out.finish_reason),
-                                          prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs))
+                                          prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs),
+                                          num_cached_tokens=out.num_cached_tokens)
         if out.logprobs:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
         return resp
@@ -424,7 +426,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
             self.metrics.request_prefill_time_seconds.observe(now - rec.prefill_started)
             self.metrics.generation_tokens_total.inc(1)
         self.loop.defer(self._resolve_first, rec,
-                        Output(seq.output_token_ids[:1], lps, done, prompt_logprobs=seq.prompt_logprobs))
+                        Output(seq.output_token_ids[:1], lps, done, prompt_logprobs=seq.prompt_logprobs,
+                               num_cached_tokens=seq.num_cached_tokens or 0))
 
     def _record_speculation(self) -> None:
         """Adds what the engine's cumulative speculation counters gained in this step."""

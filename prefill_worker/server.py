@@ -174,7 +174,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         resp = worker_pb2.PrefillResponse(first_token_id=seq.output_token_ids[0] if seq.output_token_ids else 0,
                                           handoff_bytes=nbytes, handoff_seconds=seconds,
                                           finish_reason=finish_reason_to_proto(finish_reason),
-                                          prompt_logprobs=prompt_logprobs_to_proto(seq.prompt_logprobs))
+                                          prompt_logprobs=prompt_logprobs_to_proto(seq.prompt_logprobs),
+                                          num_cached_tokens=seq.num_cached_tokens or 0)
         if seq.output_logprobs:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(seq.output_logprobs[0]))
         return resp

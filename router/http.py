@@ -296,7 +296,7 @@ class _Api:
         response starts with the first message, so an error before it (bad input) is still a plain HTTP error.
         `count_completion` False: the generated tokens are not returned (echo with max_tokens 0), usage counts 0."""
         resp = None
-        usage = {"prompt": {}, "completion": {}}
+        usage = {"prompt": {}, "completion": {}, "cached": {}}
 
         async def send(obj) -> None:
             await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
@@ -305,6 +305,7 @@ class _Api:
             async with contextlib.aclosing(self._merged(reqs)) as msgs:
                 async for i, m in msgs:
                     usage["prompt"][i] = m.prompt_tokens
+                    usage["cached"][i] = m.cached_tokens
                     usage["completion"][i] = m.completion_tokens if count_completion else 0
                     chunk = await self._chunk(chunk_fn, i, m)
                     if not stream:
@@ -337,7 +338,9 @@ class _Api:
     def _usage(usage: dict, n: int) -> dict:
         prompt = sum(v for i, v in usage["prompt"].items() if i % n == 0)  # each prompt once, not once per choice
         completion = sum(usage["completion"].values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(v for i, v in usage["cached"].items() if i % n == 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     # -- /v1/completions
     def _completion_request(self, body: dict) -> SimpleNamespace:

@@ -58,6 +58,7 @@ class _Active:
     aborted: bool = False  # by the Abort RPC: the client gets a last message with finish reason abort
     closed: bool = False  # the client's RPC has ended
     metrics: _RequestMetrics | None = None
+    cached_tokens: int = 0  # prompt tokens the worker that prefilled it found in its prefix cache
 
 
 class _RequestMetrics:
@@ -147,8 +148,8 @@ class Router(router_pb2_grpc.TandemServicer):
             out.logprobs.extend(m.logprobs)
             out.prompt_token_ids.extend(m.prompt_token_ids)
             out.prompt_logprobs.extend(m.prompt_logprobs)
-            out.finish_reason, out.prompt_tokens, out.completion_tokens = \
-                m.finish_reason, m.prompt_tokens, m.completion_tokens
+            out.finish_reason, out.prompt_tokens, out.completion_tokens, out.cached_tokens = \
+                m.finish_reason, m.prompt_tokens, m.completion_tokens, m.cached_tokens
         return out
 
     def Abort(self, request, context):
@@ -248,7 +249,8 @@ class Router(router_pb2_grpc.TandemServicer):
             if state.finished:
                 timing.finished(finish_reason_name(reason))
             return router_pb2.GenerateResponse(request_id=rid, token_ids=ids, logprobs=logprobs, text=text,
-                                               finish_reason=reason, prompt_tokens=len(prompt), completion_tokens=n)
+                                               finish_reason=reason, prompt_tokens=len(prompt), completion_tokens=n,
+                                               cached_tokens=state.cached_tokens)
 
         def aborted():
             return message([], [], common_pb2.FINISH_REASON_ABORT, 0)
@@ -261,6 +263,7 @@ class Router(router_pb2_grpc.TandemServicer):
             if state.aborted or first.finish_reason == common_pb2.FINISH_REASON_ABORT:
                 yield aborted()
                 return
+            state.cached_tokens = first.num_cached_tokens
             lps = [first.first_logprobs] if params.logprobs is not None else []
             msg = message([first.first_token_id], lps, first.finish_reason, 1)
             if params.prompt_logprobs is not None:  # the prompt's, on the first message only

@@ -241,6 +241,13 @@ class EngineConfig:
     # ones (tandem/engine/prefill_graphs.py). None: on when the device is CUDA and the Triton kernels serve it;
     # True on a CPU runs the same padded paths without capture (tests).
     cuda_graphs: bool | None = None
+    # Prefix caching (`tandem/cache/prefix.py`): KV blocks shared by content and GDN state snapshots, taken at the
+    # end of each prompt, at the branch point from a cached chain and every prefix_state_interval tokens of a
+    # prompt (a multiple of block_size). num_state_snapshots: None sizes the snapshot pool with the caches
+    # (`tandem/cache/sizing.py`), or max_num_seqs entries when num_kv_blocks is given.
+    enable_prefix_caching: bool = True
+    prefix_state_interval: int = 2048
+    num_state_snapshots: int | None = None
 
     def __post_init__(self):
         self.dtype = parse_dtype(self.dtype)
@@ -273,6 +280,14 @@ class EngineConfig:
             self.emulated_acceptance = rates
         if self.num_state_slots is None and self.num_kv_blocks is not None:
             self.num_state_slots = self.max_num_seqs
+        if not isinstance(self.prefix_state_interval, int) or self.prefix_state_interval <= 0 \
+                or self.prefix_state_interval % self.block_size:
+            raise ConfigError(f"prefix_state_interval: must be a positive multiple of block_size ({self.block_size}), "
+                              f"got {self.prefix_state_interval!r}")
+        if not self.enable_prefix_caching:
+            self.num_state_snapshots = 0
+        elif self.num_state_snapshots is None and self.num_kv_blocks is not None:
+            self.num_state_snapshots = self.max_num_seqs
 
     @property
     def blocks_per_seq(self) -> int:

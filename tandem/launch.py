@@ -68,7 +68,9 @@ def _engine_argv(args) -> list[str]:
             str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
             "--num-speculative-tokens", str(args.num_speculative_tokens), "--log-level", args.log_level,
-            "--tensor-parallel-size", str(args.tensor_parallel_size)]
+            "--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--prefix-state-interval", str(args.prefix_state_interval)]
     if args.num_kv_blocks:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.kv_cache_memory_bytes:

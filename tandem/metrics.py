@@ -65,6 +65,9 @@ _SPECS = (
     _Spec("gdn_state_slot_usage_perc", Gauge, "Fraction of Gated-DeltaNet state slots in use (0..1).", _P + _D),
     _Spec("num_preemptions_total", Counter, "Requests preempted (blocks and slot freed, recomputed later) because "
           "the running ones needed more KV blocks than were free.", _P + _D),
+    _Spec("prefix_cache_queries_total", Counter, "Prompt tokens looked up in the prefix cache.", _P + _D),
+    _Spec("prefix_cache_hits_total", Counter, "Prompt tokens found in the prefix cache (their KV and GDN state "
+          "not computed again).", _P + _D),
     _Spec("cache_config_info", Gauge, "Information of the cache config (1; the labels say it): KV blocks (the null "
           "block included), tokens a block holds, GDN state slots.", _P + _D,
           ("num_gpu_blocks", "block_size", "num_state_slots")),
@@ -141,7 +144,8 @@ class Metrics:
         if self.role is not None and self.role not in ROLES:
             raise ValueError(f"role: {self.role!r} is not one of {ROLES}")
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._preemptions_seen, self._cache_config_set = 0, False
+        self._totals_seen: dict[str, int] = {}  # engine counters so far, by metric
+        self._cache_config_set = False
         self.families = {}
         for s in _SPECS:
             kw = {"buckets": s.buckets} if s.buckets else {}
@@ -218,9 +222,18 @@ class Metrics:
 
     def record_preemptions(self, total: int) -> None:
         """The engine's preemptions so far (its counter); the metric gains what is new."""
-        if total != self._preemptions_seen:
-            self.num_preemptions_total.inc(total - self._preemptions_seen)
-            self._preemptions_seen = total
+        self._advance("num_preemptions_total", total)
+
+    def record_prefix_cache(self, queries: int, hits: int) -> None:
+        """The engine's prefix-cache token counts so far."""
+        self._advance("prefix_cache_queries_total", queries)
+        self._advance("prefix_cache_hits_total", hits)
+
+    def _advance(self, attr: str, total: int) -> None:
+        seen = self._totals_seen.get(attr, 0)
+        if total != seen:
+            getattr(self, attr).inc(total - seen)
+            self._totals_seen[attr] = total
 
     def set_cache_config(self, num_gpu_blocks: int, block_size: int, num_state_slots: int) -> None:
         if not self._cache_config_set:  # fixed for the process's life: one series
@@ -265,6 +278,8 @@ def observe_engine(m: Metrics, engine) -> None:
     m.kv_cache_usage_perc.set(pools.blocks.num_used / pools.blocks.capacity)
     m.gdn_state_slot_usage_perc.set(pools.slots.num_used / pools.slots.capacity)
     m.record_preemptions(sched.num_preemptions)
+    if sched.prefix is not None:
+        m.record_prefix_cache(sched.prefix.queries, sched.prefix.hits)
     m.set_cache_config(engine.ecfg.num_kv_blocks, engine.ecfg.block_size, engine.ecfg.num_state_slots)
 
 

@@ -3,6 +3,7 @@ gRPC server until SIGTERM/SIGINT with a drain (readiness off, no new work, in-fl
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -52,6 +53,11 @@ def add_engine_args(ap) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help="KV blocks (the null block included), overriding the sizes above")
     ap.add_argument("--num-speculative-tokens", type=int, default=2, help="MTP drafts per step (0: off)")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="share the KV blocks and GDN states of repeated prompt prefixes between requests")
+    ap.add_argument("--prefix-state-interval", type=int, default=2048,
+                    help="with prefix caching: tokens between GDN state snapshots in a long prompt (a multiple "
+                    "of --block-size); prompts also snapshot at their end and where they leave a cached prefix")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no CUDA graphs for decode or prefill steps (debugging)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -153,6 +159,8 @@ def engine_config(args) -> EngineConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=device,
                         cuda_graphs=False if args.enforce_eager else None,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        prefix_state_interval=args.prefix_state_interval,
                         emulated_acceptance=tuple(float(r) for r in args.emulated_acceptance.split(","))
                         if args.emulated_acceptance else None)
 

@@ -17,7 +17,8 @@ MODEL = random_model(CFG, "cpu", torch.float32)
 def pool_bytes(eng: Engine) -> int:
     """Every byte the pools' tensors hold, counted from the tensors themselves."""
     seen, total = set(), 0
-    tensors = [t for cache in eng.pools.layer_caches for t in cache] + list(eng.pools.mtp_cache or ())
+    tensors = [t for cache in eng.pools.layer_caches for t in cache] + list(eng.pools.mtp_cache or ()) + \
+        [eng.pools._snap_conv, eng.pools._snap_rec]
     for t in tensors:
         base = t.untyped_storage()
         if base.data_ptr() not in seen:
@@ -39,17 +40,39 @@ def per_block_and_slot() -> tuple[int, int]:
     return b - a, c - a
 
 
+def per_snapshot() -> int:
+    a = pool_bytes(engine(num_kv_blocks=20, num_state_slots=4, num_state_snapshots=4))
+    return pool_bytes(engine(num_kv_blocks=20, num_state_slots=4, num_state_snapshots=5)) - a
+
+
 def test_budget_fills_slots_first_then_blocks(caplog):
     blk, slot = per_block_and_slot()
     budget = 8 * slot + 100 * blk + blk // 2
     with caplog.at_level(logging.INFO, logger="tandem.cache.sizing"):
-        eng = engine(max_num_seqs=6, kv_cache_memory_bytes=budget)
+        eng = engine(max_num_seqs=6, kv_cache_memory_bytes=budget, enable_prefix_caching=False)
     # six slots (+ the null slot) as max_num_seqs asks, the rest in blocks: 8 slots' bytes - 7 = one slot more
     assert eng.ecfg.num_state_slots == 6 and eng.ecfg.max_num_seqs == 6
     assert eng.ecfg.num_kv_blocks == 100 + slot // blk
     assert budget - blk < pool_bytes(eng) <= budget
     tokens = (eng.ecfg.num_kv_blocks - 1) * 4
-    assert f"KV cache: {tokens} tokens; state slots: 6; maximum concurrency at max_model_len (64): " in caplog.text
+    assert (f"KV cache: {tokens} tokens; state slots: 6; prefix-cache state snapshots: 0; maximum concurrency at "
+            "max_model_len (64): ") in caplog.text
+
+
+def test_prefix_caching_gives_snapshots_a_tenth_of_what_the_slots_leave():
+    blk, slot = per_block_and_slot()
+    snap = per_snapshot()
+    assert snap < slot  # a snapshot is a slot's states without its pending buffers
+    budget = 7 * slot + 60 * snap + 100 * blk
+    eng = engine(max_num_seqs=6, kv_cache_memory_bytes=budget)
+    rest = budget - 7 * slot
+    n = eng.ecfg.num_state_snapshots
+    assert eng.ecfg.num_state_slots == 6 and (n + 1) * snap <= 0.1 * rest < (n + 2) * snap
+    assert eng.ecfg.num_kv_blocks == (rest - (n + 1) * snap) // blk
+    assert budget - blk < pool_bytes(eng) <= budget
+    # no room beside one max-length request's blocks: no snapshots, and nothing is cached
+    tight = engine(max_num_seqs=3, kv_cache_memory_bytes=17 * blk + 4 * slot)
+    assert tight.ecfg.num_state_snapshots == 0 and tight.scheduler.prefix is None
 
 
 def test_slots_are_capped_to_leave_one_max_length_request_its_blocks(caplog):

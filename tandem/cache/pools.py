@@ -4,9 +4,13 @@
   the model has one, gets its own pair (`mtp_cache`) indexed by the same block tables.
 - GDN: conv state `[slots, conv_dim, K-1]` in the model dtype and recurrent state `[slots, nv, dk, dv]` in the
   config's ssm dtype (fp32 for Qwen3.5), one slot a request; slot 0 is the null slot. A slot is zeroed when handed
-  out, so a new request always starts from the empty state. Each slot also owns two pending buffers (rows 2 * slot
-  and 2 * slot + 1 of `[2 * slots, k+1, width]` in the model dtype, `tandem/ops/gdn.py`): a verify step's rows wait
-  there until the next step knows which were accepted. Nothing reads them before they are written.
+  out, so a new request always starts from the empty state (or from a prefix-cache snapshot's copy). Each slot
+  also owns two pending buffers (rows 2 * slot and 2 * slot + 1 of `[2 * slots, k+1, width]` in the model dtype,
+  `tandem/ops/gdn.py`): a verify step's rows wait there until the next step knows which were accepted. Nothing
+  reads them before they are written.
+- Prefix-cache snapshots (`tandem/cache/prefix.py`): conv and recurrent states of every GDN layer,
+  `[layers, snapshots + 1, ...]` (entry 0 unused), copied from a slot after the prompt chunk that ends at a
+  snapshot boundary, and into a new request's slot on a hit.
 
 Under tensor parallelism each rank's pools hold its own heads only (KV heads, GDN key/value heads and their conv
 channels); block and slot numbers are the same on every rank, handed out by rank 0's allocators.
@@ -19,6 +23,7 @@ import math
 import torch
 
 from tandem.cache.allocator import CountingAllocator
+from tandem.cache.prefix import BlockPool
 from tandem.config import EngineConfig, ModelConfig
 from tandem.batch import to_device
 from tandem.ops.gdn import pending_width
@@ -29,7 +34,7 @@ class CachePools:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool = False, tp: TPGroup = SINGLE):
         dev, dt = ecfg.device, ecfg.dtype
         self.tp = tp
-        self.blocks = CountingAllocator(ecfg.num_kv_blocks, "kv blocks")
+        self.blocks = BlockPool(ecfg.num_kv_blocks)
         self.slots = CountingAllocator(ecfg.num_state_slots + 1, "gdn state slots")
         n = tp.world_size
         kv_shape = (ecfg.num_kv_blocks, ecfg.block_size, cfg.num_kv_heads // n, cfg.head_dim)
@@ -56,6 +61,19 @@ class CachePools:
             self.layer_caches.append(cache)
         self.mtp_cache = (torch.zeros(kv_shape, dtype=dt, device=dev),
                           torch.zeros(kv_shape, dtype=dt, device=dev)) if with_mtp else None
+        snaps = ecfg.num_state_snapshots + 1 if ecfg.num_state_snapshots else 0
+        self._snap_conv = torch.zeros((n_gdn, snaps, *conv_shape[1:]), dtype=dt, device=dev)
+        self._snap_rec = torch.zeros((n_gdn, snaps, *rec_shape[1:]), dtype=ssm_dtype, device=dev)
+
+    def save_snapshot(self, slot: int, entry: int) -> None:
+        """Every GDN layer's state in `slot` into snapshot `entry` (queued after the step that wrote it)."""
+        self._snap_conv[:, entry].copy_(self._conv[:, slot])
+        self._snap_rec[:, entry].copy_(self._rec[:, slot])
+
+    def load_snapshot(self, entry: int, slot: int) -> None:
+        """Snapshot `entry` into `slot`: a request starts from the cached prefix's state."""
+        self._conv[:, slot].copy_(self._snap_conv[:, entry])
+        self._rec[:, slot].copy_(self._snap_rec[:, entry])
 
     def allocate_slots(self, n: int) -> list[int]:
         slots = self.slots.allocate(n)

@@ -9,6 +9,10 @@ left cannot hold one `max_model_len` request; every remaining byte goes to KV bl
 requests run at once (`max_num_seqs` is lowered to them, with a log line); blocks bound how many tokens they
 hold together. A budget that cannot hold one max-length request and one slot is refused, with what it has and
 what it needs.
+
+With prefix caching on, GDN state snapshots (every GDN layer's conv and recurrent state, without pending
+buffers) take PREFIX_STATE_SHARE of what is left after the slots, as long as the blocks left still hold one
+max_model_len request; the rest goes to KV blocks, which cached prefixes share.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from tandem.ops.gdn import pending_width
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
+PREFIX_STATE_SHARE = 0.1  # of the budget after the state slots, for prefix-cache state snapshots
 
 
 def kv_block_bytes(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, tp_size: int = 1) -> int:
@@ -36,10 +41,20 @@ def state_slot_bytes(cfg: ModelConfig, ecfg: EngineConfig, tp_size: int = 1) -> 
     return cfg.layer_types.count("linear_attention") * (conv + rec + pending)
 
 
+def snapshot_bytes(cfg: ModelConfig, ecfg: EngineConfig, tp_size: int = 1) -> int:
+    """One prefix-cache snapshot: every GDN layer's conv and recurrent state."""
+    n = tp_size
+    conv = cfg.conv_dim // n * (cfg.conv_kernel - 1) * ecfg.dtype.itemsize
+    rec = cfg.gdn_num_v_heads // n * cfg.gdn_k_dim * cfg.gdn_v_dim * (cfg.ssm_dtype or ecfg.dtype).itemsize
+    return cfg.layer_types.count("linear_attention") * (conv + rec)
+
+
 def cache_bytes(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, tp_size: int = 1) -> int:
-    """What the pools of `ecfg`'s sizes take (null block and null slot included)."""
+    """What the pools of `ecfg`'s sizes take (null block, null slot and unused snapshot entry 0 included)."""
+    snapshots = ecfg.num_state_snapshots + 1 if ecfg.num_state_snapshots else 0
     return (ecfg.num_kv_blocks * kv_block_bytes(cfg, ecfg, with_mtp, tp_size)
-            + (ecfg.num_state_slots + 1) * state_slot_bytes(cfg, ecfg, tp_size))
+            + (ecfg.num_state_slots + 1) * state_slot_bytes(cfg, ecfg, tp_size)
+            + snapshots * snapshot_bytes(cfg, ecfg, tp_size))
 
 
 def size_caches(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, budget: int, tp_size: int = 1) -> None:
@@ -59,7 +74,13 @@ def size_caches(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, budget: in
                     "request's KV blocks", ecfg.max_num_seqs, slots)
         ecfg.max_num_seqs = slots
     ecfg.num_state_slots = slots
-    ecfg.num_kv_blocks = (budget - (slots + 1) * slot) // blk
+    rest = budget - (slots + 1) * slot
+    if ecfg.num_state_snapshots is None:  # prefix caching on, snapshots not given
+        snap = snapshot_bytes(cfg, ecfg, tp_size)
+        ecfg.num_state_snapshots = max(0, min(int(PREFIX_STATE_SHARE * rest), rest - min_blocks * blk) // snap - 1)
+    if ecfg.num_state_snapshots:
+        rest -= (ecfg.num_state_snapshots + 1) * snapshot_bytes(cfg, ecfg, tp_size)
+    ecfg.num_kv_blocks = rest // blk
     ecfg.check_blocks(ecfg.num_kv_blocks)
 
 
@@ -71,6 +92,7 @@ def capacity(ecfg: EngineConfig) -> tuple[int, int, float]:
 
 def log_capacity(ecfg: EngineConfig, nbytes: int) -> None:
     tokens, slots, concurrency = capacity(ecfg)
-    log.info("KV cache: %d tokens; state slots: %d; maximum concurrency at max_model_len (%d): %.2fx (%.2f GiB, "
-             "%d blocks of %d tokens)", tokens, slots, ecfg.max_model_len, concurrency, nbytes / GIB,
-             ecfg.num_kv_blocks, ecfg.block_size)
+    log.info("KV cache: %d tokens; state slots: %d; prefix-cache state snapshots: %d; maximum concurrency at "
+             "max_model_len (%d): %.2fx (%.2f GiB, %d blocks of %d tokens)", tokens, slots,
+             ecfg.num_state_snapshots or 0, ecfg.max_model_len, concurrency, nbytes / GIB, ecfg.num_kv_blocks,
+             ecfg.block_size)

@@ -12,6 +12,7 @@ import torch
 
 from tandem.cache.handoff import gather_state, scatter_state
 from tandem.cache.pools import CachePools
+from tandem.cache.prefix import PrefixCache, chain_seed
 from tandem.cache.sizing import GIB, cache_bytes, log_capacity, size_caches
 from tandem.config import ConfigError, EngineConfig, ModelConfig
 from tandem.engine.runner import ModelRunner
@@ -46,6 +47,9 @@ def build_model(model: str, ecfg: EngineConfig, seed: int = 0, tensor_parallel_s
         return load_model(model, ecfg.device, ecfg.dtype, seed)
     cfg = model_config(model)
     check_divisible(cfg, tensor_parallel_size)  # before starting any process
+    if ecfg.enable_prefix_caching:  # snapshots would be copied on rank 0 only
+        log.warning("prefix caching is off under tensor parallelism")
+        ecfg.enable_prefix_caching, ecfg.num_state_snapshots = False, 0
     if ecfg.num_kv_blocks is None:  # every rank builds its pools of these sizes when it starts
         if ecfg.kv_cache_memory_bytes is None:
             raise ConfigError("with tensor parallelism on GPUs, size the caches with kv_cache_memory_bytes "
@@ -146,7 +150,12 @@ class Engine:
         self.pools = CachePools(self.cfg, ecfg, with_mtp=hasattr(model, "mtp"), tp=self.tp)
         if isinstance(model, LeaderModel):
             model.attach(self.pools)
-        self.scheduler = Scheduler(ecfg, self.pools, self.prefill_only)
+        prefix = None
+        if ecfg.enable_prefix_caching and ecfg.num_state_snapshots:
+            seed = chain_seed(repr((self.cfg, str(ecfg.dtype), ecfg.block_size)))
+            prefix = PrefixCache(self.pools, ecfg.block_size, ecfg.num_speculative_tokens > 0, seed,
+                                 ecfg.prefix_state_interval, ecfg.num_state_snapshots)
+        self.scheduler = Scheduler(ecfg, self.pools, self.prefill_only, prefix)
         graphs = ecfg.cuda_graphs and self.tp.world_size == 1
         self.runner = ModelRunner(model, self.pools, ecfg, piecewise=graphs)
         self.graphs = DecodeGraphs(model, self.pools, ecfg) if graphs and not self.prefill_only else None
@@ -163,7 +172,7 @@ class Engine:
                               "one GPU only)")
         dev = torch.device(ecfg.device)
         self.ecfg = replace(ecfg, num_kv_blocks=ecfg.blocks_per_seq + 1, num_state_slots=ecfg.max_num_seqs,
-                            cuda_graphs=False)
+                            cuda_graphs=False, enable_prefix_caching=False)
         self._build_caches(model)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -282,6 +291,8 @@ class Engine:
         batches = [b for b in batches if len(b) <= self.ecfg.max_num_seqs and max(b) <= room]
         # 2 tokens: a request that stopped at its first token would not draft (the MTP head's eager passes)
         params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+        # the prompts share their prefixes: from the prefix cache, most rows would not run
+        prefix, self.scheduler.prefix = self.scheduler.prefix, None
         for lengths in batches:
             ids = [f"__warmup-{i}" for i in range(len(lengths))]
             for rid, n in zip(ids, lengths):
@@ -290,6 +301,7 @@ class Engine:
                 self.step()
             for rid in ids:
                 self.abort(rid)
+        self.scheduler.prefix = prefix
         self.masks.warm_up(self.ecfg.device)  # the first constrained step compiles nothing either
         log.info("prefill kernels warmed up in %.1f s", time.monotonic() - t0)
 
@@ -352,7 +364,7 @@ class Engine:
 
     def prefill_reserved(self, seq: Sequence) -> None:
         """Decode worker serving colocated: a reserved request is prefilled here instead of by a hand-off."""
-        self.scheduler.admit_prefilled(seq)  # running with nothing computed: the scheduler prefills it
+        self.scheduler.prefill_reserved(seq)  # running from its prefix-cache hit: the scheduler prefills the rest
 
     def take_prefilled(self) -> list[PrefilledRequest]:
         """Prefill-only engine: removes the requests whose first token (and drafts) are ready, with their state."""
@@ -385,6 +397,11 @@ class Engine:
         without decode requests, runs one forward over all its rows (piecewise graphs when enabled), so the
         weights are read once for both."""
         chunks = self.scheduler.schedule()
+        finished = self._run(chunks)
+        self.scheduler.cache(chunks)
+        return finished
+
+    def _run(self, chunks) -> list[Sequence]:
         decode = [c for c in chunks if not c.seq.in_prefill]
         prefill = [c for c in chunks if c.seq.in_prefill]
         self.last_step = StepShape(len(decode), sum(c.num_tokens for c in prefill)) if chunks else None
@@ -606,6 +623,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs set: per prompt position, None for the first, else {token id: logprob} of
     # the top-n tokens and the prompt token (as vLLM's RequestOutput.prompt_logprobs, with floats for Logprob)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV and state came from the prefix cache
 
 
 def _prompts(rows: int, longest: int) -> list[int]:
@@ -624,7 +642,8 @@ class LLM:
                  block_size: int = 16, seed: int = 0, speculative_config: dict | None = None,
                  emulated_acceptance: tuple[float, ...] | None = None, tensor_parallel_size: int = 1,
                  cuda_graphs: bool | None = None, kv_cache_memory_bytes: int | None = None,
-                 gpu_memory_utilization: float = 0.9, num_kv_blocks: int | None = None):
+                 gpu_memory_utilization: float = 0.9, num_kv_blocks: int | None = None,
+                 enable_prefix_caching: bool = True):
         from tandem.worker_setup import checkpoint_dtype
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -635,7 +654,8 @@ class LLM:
                             gpu_memory_utilization=gpu_memory_utilization,
                             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
                             num_speculative_tokens=parse_speculative_config(speculative_config),
-                            emulated_acceptance=emulated_acceptance, cuda_graphs=cuda_graphs)
+                            emulated_acceptance=emulated_acceptance, cuda_graphs=cuda_graphs,
+                            enable_prefix_caching=enable_prefix_caching)
         cfg, net, model_dir = build_model(model, ecfg, seed, tensor_parallel_size)
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = Engine(cfg, net, ecfg)
@@ -692,4 +712,5 @@ class LLM:
         return RequestOutput(s.request_id, s.prompt_token_ids,
                              [CompletionOutput(0, list(s.output_token_ids), text, s.finish_reason, lps,
                                                emulated=self.engine.ecfg.emulated_acceptance is not None)],
-                             list(s.prompt_logprobs) if s.params.prompt_logprobs is not None else None)
+                             list(s.prompt_logprobs) if s.params.prompt_logprobs is not None else None,
+                             s.num_cached_tokens or 0)

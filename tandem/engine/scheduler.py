@@ -10,6 +10,10 @@ not yet scheduled in this step is preempted: its blocks and slot are freed and i
 waiting queue, to recompute its prompt and the tokens it generated as one prompt (`Sequence.preempted`); it then
 continues exactly where it stopped. No request is admitted in a step that preempted one.
 
+Prefix caching (`tandem/cache/prefix.py`): an admitted request first takes the cached blocks of the longest chain
+of its prompt that ends in a GDN state snapshot, and the snapshot's state into its slot, then computes the rest;
+its prompt chunks end at its snapshot points, and after each step its completed blocks join the cache.
+
 Disaggregated roles: a prefill-only scheduler's requests leave once their first token is sampled; a decode worker
 `reserve`s a request's prompt blocks (+ the first token and k drafts) and a slot up front (a lease), and
 `admit_prefilled` puts it straight into the running batch once its state has been copied in; it grows from there.
@@ -22,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tandem.cache.pools import CachePools
+from tandem.cache.prefix import PrefixCache
 from tandem.config import EngineConfig
 from tandem.engine.sequence import Sequence, Status
 from tandem.profiling import traced
@@ -36,10 +41,12 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, pools: CachePools, prefill_only: bool = False):
+    def __init__(self, ecfg: EngineConfig, pools: CachePools, prefill_only: bool = False,
+                 prefix: PrefixCache | None = None):
         self.ecfg = ecfg
         self.pools = pools
         self.prefill_only = prefill_only
+        self.prefix = prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserved: list[Sequence] = []
@@ -86,19 +93,42 @@ class Scheduler:
             seq.block_ids += self.pools.blocks.allocate(need)
         return True
 
-    def _allocate(self, seq: Sequence, rows: int) -> bool:
+    def _allocate(self, seq: Sequence, rows: int, shared: list[int] = ()) -> bool:
         """Blocks for `rows` rows and a state slot for a request that holds none, leaving the watermark free
-        (unless the pool is idle: a request that needs every block must still start)."""
+        (unless the pool is idle: a request that needs every block must still start); `shared`: cached blocks it
+        starts from (num_computed already past them)."""
         held = len(self.running) + len(self.reserved)
         watermark = self.watermark if held else 0
+        need = self._missing_blocks(seq, rows) - len(shared) + self.pools.blocks.num_unused(shared)
         if held >= self.ecfg.max_num_seqs or not self.pools.slots.can_allocate(1) \
-                or not self.pools.blocks.can_allocate(self._missing_blocks(seq, rows) + watermark):
+                or not self.pools.blocks.can_allocate(need + watermark):
             return False
+        self.pools.blocks.share(shared)
+        seq.block_ids = list(shared)
         self._grow(seq, rows)
         seq.state_slots = self.pools.allocate_slots(1)
         if seq.scheduled_time is None:
             seq.scheduled_time = time.monotonic()
         return True
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Allocates a waiting request's first chunk (from its prefix-cache hit); its rows, 0 when it must wait."""
+        if self.prefix is None:
+            rows = min(budget, seq.prefill_len)
+            return rows if self._allocate(seq, rows) else 0
+        hit = self.prefix.match(seq)
+        points = self.prefix.plan(seq, hit)
+        start = len(hit.blocks) * self.ecfg.block_size
+        rows = min(budget, (points[0] if points else seq.prefill_len) - start)
+        seq.num_computed = start
+        if not self._allocate(seq, rows, hit.blocks):
+            seq.num_computed = 0
+            return 0
+        self.prefix.start(seq, hit, points)
+        return rows
+
+    def _chunk_end(self, seq: Sequence) -> int:
+        return self.prefix.next_point(seq) if self.prefix is not None else seq.prefill_len
 
     def reserve(self, seq: Sequence) -> bool:
         """Holds the prompt's blocks (with room for the first token and its drafts) and a slot for a request
@@ -109,6 +139,18 @@ class Scheduler:
         seq.status = Status.RESERVED
         self.reserved.append(seq)
         return True
+
+    def prefill_reserved(self, seq: Sequence) -> None:
+        """A reserved request is prefilled here (colocated serving): it swaps the leading blocks of its lease for
+        its prefix-cache hit's, then runs as an admitted request."""
+        if self.prefix is not None:
+            hit = self.prefix.match(seq)
+            m = len(hit.blocks)
+            self.pools.blocks.free(seq.block_ids[:m])
+            self.pools.blocks.share(hit.blocks)
+            seq.block_ids[:m] = hit.blocks
+            self.prefix.start(seq, hit, self.prefix.plan(seq, hit))
+        self.admit_prefilled(seq)
 
     def admit_prefilled(self, seq: Sequence) -> None:
         """A reserved request whose prompt state is now in its blocks and slots joins the running batch."""
@@ -155,19 +197,26 @@ class Scheduler:
             if budget == 0:
                 break
             if s.status == Status.RUNNING and s.in_prefill:
-                n = min(budget, s.prefill_len - s.num_computed)
+                n = min(budget, self._chunk_end(s) - s.num_computed)
                 if self._fit(s, n, scheduled):
                     take(s, n)
         while budget > 0 and self.waiting and self.num_preemptions == preempted:
             s = self.waiting[0]
-            n = min(budget, s.prefill_len)
-            if not self._allocate(s, n):
+            n = self._admit(s, budget)
+            if not n:
                 break
             self.waiting.popleft()
             s.status = Status.RUNNING
             self.running.append(s)
             take(s, n)
         return chunks
+
+    def cache(self, chunks: list[ScheduledChunk]) -> None:
+        """After a step: the blocks and snapshots its running requests completed join the prefix cache."""
+        if self.prefix is not None:
+            for c in chunks:
+                if c.seq.status == Status.RUNNING:
+                    self.prefix.after_step(c.seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Frees everything the sequence holds; safe on every path (finished, aborted, waiting)."""

@@ -31,6 +31,13 @@ class Sequence:
     # after a preemption: the tokens it had then, all recomputed as a prompt (its outputs stay outputs)
     recompute_len: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # prefix caching (`tandem/cache/prefix.py`): the keys of its full blocks so far, how many of block_ids are in
+    # the cache's index, where its prompt chunks end for a state snapshot, and the prompt tokens its first
+    # admission found cached (vLLM's RequestOutput.num_cached_tokens)
+    block_keys: list[int] = field(default_factory=list)
+    num_registered: int = 0
+    snapshot_points: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None
     # the GDN state slot (one, in a list as leases carry it). A verify step's rows stay pending in one of the
     # slot's two buffers (`pending_buffer`) until the next step replays the accepted ones (`pending_rows`).
     state_slots: list[int] = field(default_factory=list)
@@ -73,7 +80,8 @@ class Sequence:
         self.recompute_len = self.num_tokens
         self.num_computed = self.pending_rows = self.pending_buffer = 0
         self.drafts = []
-        self.block_ids, self.state_slots = [], []
+        self.block_ids, self.state_slots, self.snapshot_points = [], [], []
+        self.num_registered = 0
         self.status = Status.WAITING
         self.num_preemptions += 1
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.rpc import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xde\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12 \n\x13skip_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x95\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\"\x16\n\x14GetServerInfoRequest\"\xa0\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x17\n\x0fprefill_workers\x18\x02 \x03(\t\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x03(\t\x12\x18\n\x10transfer_backend\x18\x04 \x01(\t\x12(\n\x07workers\x18\x05 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\x0c\n\x04mode\x18\x06 \x01(\t\"]\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x1d\n\x04load\x18\x04 \x01(\x0b\x32\x0f.tandem.v1.Load2\xe4\x02\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12H\n\rGenerateUnary\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12G\n\rGetServerInfo\x12\x1f.tandem.v1.GetServerInfoRequest\x1a\x15.tandem.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xde\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12 \n\x13skip_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\n \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x95\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\"\x16\n\x14GetServerInfoRequest\"\xa0\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x17\n\x0fprefill_workers\x18\x02 \x03(\t\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x03(\t\x12\x18\n\x10transfer_backend\x18\x04 \x01(\t\x12(\n\x07workers\x18\x05 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\x0c\n\x04mode\x18\x06 \x01(\t\"]\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x1d\n\x04load\x18\x04 \x01(\x0b\x32\x0f.tandem.v1.Load2\xe4\x02\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12H\n\rGenerateUnary\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12G\n\rGetServerInfo\x12\x1f.tandem.v1.GetServerInfoRequest\x1a\x15.tandem.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=286
   _globals['_TOKENIDS']._serialized_end=309
   _globals['_GENERATERESPONSE']._serialized_start=312
-  _globals['_GENERATERESPONSE']._serialized_end=602
-  _globals['_ABORTREQUEST']._serialized_start=604
-  _globals['_ABORTREQUEST']._serialized_end=638
-  _globals['_ABORTRESPONSE']._serialized_start=640
-  _globals['_ABORTRESPONSE']._serialized_end=670
-  _globals['_GETMODELINFOREQUEST']._serialized_start=672
-  _globals['_GETMODELINFOREQUEST']._serialized_end=693
-  _globals['_MODELINFO']._serialized_start=696
-  _globals['_MODELINFO']._serialized_end=845
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=847
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=869
-  _globals['_SERVERINFO']._serialized_start=872
-  _globals['_SERVERINFO']._serialized_end=1032
-  _globals['_WORKERSTATUS']._serialized_start=1034
-  _globals['_WORKERSTATUS']._serialized_end=1127
-  _globals['_TANDEM']._serialized_start=1130
-  _globals['_TANDEM']._serialized_end=1486
+  _globals['_GENERATERESPONSE']._serialized_end=625
+  _globals['_ABORTREQUEST']._serialized_start=627
+  _globals['_ABORTREQUEST']._serialized_end=661
+  _globals['_ABORTRESPONSE']._serialized_start=663
+  _globals['_ABORTRESPONSE']._serialized_end=693
+  _globals['_GETMODELINFOREQUEST']._serialized_start=695
+  _globals['_GETMODELINFOREQUEST']._serialized_end=716
+  _globals['_MODELINFO']._serialized_start=719
+  _globals['_MODELINFO']._serialized_end=868
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=870
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=892
+  _globals['_SERVERINFO']._serialized_start=895
+  _globals['_SERVERINFO']._serialized_end=1055
+  _globals['_WORKERSTATUS']._serialized_start=1057
+  _globals['_WORKERSTATUS']._serialized_end=1150
+  _globals['_TANDEM']._serialized_start=1153
+  _globals['_TANDEM']._serialized_end=1509
 # @@protoc_insertion_point(module_scope)

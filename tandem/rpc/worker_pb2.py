@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.rpc import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"k\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\xb0\x01\n\x05Lease\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0bstate_slots\x18\x04 \x03(\r\x12\x16\n\x0etransfer_token\x18\x05 \x01(\x0c\x12\x18\n\x10transfer_address\x18\x06 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x07 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x08 \x01(\x03\"9\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"-\n\x12RenewLeaseResponse\x12\x17\n\x0f\x65xpires_unix_ms\x18\x01 \x01(\x03\"%\n\x0c\x41\x64mitRequest\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\"O\n\rAdmitResponse\x12\x1c\n\x14queued_prompt_tokens\x18\x01 \x01(\x04\x12 \n\x18max_queued_prompt_tokens\x18\x02 \x01(\x04\"\x8c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1f\n\x05lease\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Lease\"\xee\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rhandoff_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fhandoff_seconds\x18\x04 \x01(\x01\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"5\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\xbe\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\nerror_code\x18\x05 \x01(\x05\x12\x15\n\rerror_message\x18\x06 \x01(\t\"9\n\x0b\x44\x65\x63odeBatch\x12*\n\x07outputs\x18\x01 \x03(\x0b\x32\x19.tandem.v1.DecodeResponse\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest2\x8c\x02\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x64mit\x12\x17.tandem.v1.AdmitRequest\x1a\x18.tandem.v1.AdmitResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Load2\x91\x03\n\x0c\x44\x65\x63odeWorker\x12\x36\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x10.tandem.v1.Lease\x12I\n\nRenewLease\x12\x1c.tandem.v1.RenewLeaseRequest\x1a\x1d.tandem.v1.RenewLeaseResponse\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12>\n\x06\x41ttach\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.DecodeBatch(\x01\x30\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"k\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\xb0\x01\n\x05Lease\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0bstate_slots\x18\x04 \x03(\r\x12\x16\n\x0etransfer_token\x18\x05 \x01(\x0c\x12\x18\n\x10transfer_address\x18\x06 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x07 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x08 \x01(\x03\"9\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"-\n\x12RenewLeaseResponse\x12\x17\n\x0f\x65xpires_unix_ms\x18\x01 \x01(\x03\"%\n\x0c\x41\x64mitRequest\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\"O\n\rAdmitResponse\x12\x1c\n\x14queued_prompt_tokens\x18\x01 \x01(\x04\x12 \n\x18max_queued_prompt_tokens\x18\x02 \x01(\x04\"\x8c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1f\n\x05lease\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Lease\"\x89\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rhandoff_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fhandoff_seconds\x18\x04 \x01(\x01\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\"5\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\xbe\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\nerror_code\x18\x05 \x01(\x05\x12\x15\n\rerror_message\x18\x06 \x01(\t\"9\n\x0b\x44\x65\x63odeBatch\x12*\n\x07outputs\x18\x01 \x03(\x0b\x32\x19.tandem.v1.DecodeResponse\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest2\x8c\x02\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x64mit\x12\x17.tandem.v1.AdmitRequest\x1a\x18.tandem.v1.AdmitResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Load2\x91\x03\n\x0c\x44\x65\x63odeWorker\x12\x36\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x10.tandem.v1.Lease\x12I\n\nRenewLease\x12\x1c.tandem.v1.RenewLeaseRequest\x1a\x1d.tandem.v1.RenewLeaseResponse\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12>\n\x06\x41ttach\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.DecodeBatch(\x01\x30\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,21 +47,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=576
   _globals['_PREFILLREQUEST']._serialized_end=716
   _globals['_PREFILLRESPONSE']._serialized_start=719
-  _globals['_PREFILLRESPONSE']._serialized_end=957
-  _globals['_DECODEREQUEST']._serialized_start=959
-  _globals['_DECODEREQUEST']._serialized_end=1012
-  _globals['_DECODERESPONSE']._serialized_start=1015
-  _globals['_DECODERESPONSE']._serialized_end=1205
-  _globals['_DECODEBATCH']._serialized_start=1207
-  _globals['_DECODEBATCH']._serialized_end=1264
-  _globals['_WORKERABORTREQUEST']._serialized_start=1266
-  _globals['_WORKERABORTREQUEST']._serialized_end=1306
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1308
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1344
-  _globals['_GETLOADREQUEST']._serialized_start=1346
-  _globals['_GETLOADREQUEST']._serialized_end=1362
-  _globals['_PREFILLWORKER']._serialized_start=1365
-  _globals['_PREFILLWORKER']._serialized_end=1633
-  _globals['_DECODEWORKER']._serialized_start=1636
-  _globals['_DECODEWORKER']._serialized_end=2037
+  _globals['_PREFILLRESPONSE']._serialized_end=984
+  _globals['_DECODEREQUEST']._serialized_start=986
+  _globals['_DECODEREQUEST']._serialized_end=1039
+  _globals['_DECODERESPONSE']._serialized_start=1042
+  _globals['_DECODERESPONSE']._serialized_end=1232
+  _globals['_DECODEBATCH']._serialized_start=1234
+  _globals['_DECODEBATCH']._serialized_end=1291
+  _globals['_WORKERABORTREQUEST']._serialized_start=1293
+  _globals['_WORKERABORTREQUEST']._serialized_end=1333
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1335
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1371
+  _globals['_GETLOADREQUEST']._serialized_start=1373
+  _globals['_GETLOADREQUEST']._serialized_end=1389
+  _globals['_PREFILLWORKER']._serialized_start=1392
+  _globals['_PREFILLWORKER']._serialized_end=1660
+  _globals['_DECODEWORKER']._serialized_start=1663
+  _globals['_DECODEWORKER']._serialized_end=2064
 # @@protoc_insertion_point(module_scope)
