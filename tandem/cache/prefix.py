@@ -18,15 +18,26 @@ evicted least recently used; a snapshot whose blocks were evicted is unreachable
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tandem.cache.allocator import OutOfCapacity
 
 
+KEY_BYTES = 16  # 128-bit keys: a prompt crafted to collide with another's prefix (and read its cache) is infeasible
+
+
 def chain_seed(fingerprint: str) -> int:
     """The key before a prompt's first block, from a string naming the model and cache layout."""
-    return int.from_bytes(hashlib.blake2b(fingerprint.encode(), digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(fingerprint.encode(), digest_size=KEY_BYTES).digest(), "little")
+
+
+def _chain(prev: int, tokens: list[int]) -> int:
+    # a cryptographic hash, not Python's hash(): tuples of ints hash predictably, so colliding prompts are easy
+    h = hashlib.blake2b(prev.to_bytes(KEY_BYTES, "little"), digest_size=KEY_BYTES)
+    h.update(array("I", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 def block_keys(tokens: list[int], block_size: int, with_next: bool, seed: int, keys: list[int]) -> list[int]:
@@ -36,7 +47,7 @@ def block_keys(tokens: list[int], block_size: int, with_next: bool, seed: int, k
     i = len(keys)
     while (i + 1) * block_size + with_next <= len(tokens):
         end = (i + 1) * block_size
-        prev = hash((prev, *tokens[i * block_size : end + with_next]))
+        prev = _chain(prev, tokens[i * block_size : end + with_next])
         keys.append(prev)
         i += 1
     return keys
