@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tandem.config import EngineConfig, parse_dtype  # noqa: E402
-from tandem.engine.llm import Engine  # noqa: E402
+from tandem.engine.engine import Engine  # noqa: E402
 from tandem.model.source import load_model  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.worker_setup import prepare_engine  # noqa: E402

@@ -66,7 +66,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tandem.config import EngineConfig, parse_dtype  # noqa: E402
-from tandem.engine.llm import Engine, build_model  # noqa: E402
+from tandem.engine.engine import Engine  # noqa: E402
+from tandem.engine.llm import build_model  # noqa: E402
 from tandem.model.source import load_model, model_config  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.model.presets import PRESETS  # noqa: E402

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from decode_worker.server import DecodeWorker
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.structured import GrammarCompiler
 from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.auth import internal_auth

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from prefill_worker.server import DEFAULT_MAX_QUEUED_PROMPT_TOKENS, FAULTS, PrefillWorker
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.structured import GrammarCompiler
 from tandem.rpc import worker_pb2, worker_pb2_grpc
 from tandem.rpc.auth import internal_auth

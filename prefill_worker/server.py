@@ -21,7 +21,7 @@ from concurrent.futures import Future
 import grpc
 
 from decode_worker.server import LEASE_GONE
-from tandem.engine.llm import PrefilledRequest
+from tandem.engine.engine import PrefilledRequest
 from tandem.engine.loop import EngineLoop
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.server import on_end, time_left, wait_result

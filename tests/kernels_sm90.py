@@ -234,7 +234,7 @@ def compiles_after_warm_up(preset: str, seed: int, prefill_only: bool = False, k
     from test_no_compiles import workload
 
     from tandem.config import EngineConfig
-    from tandem.engine.llm import Engine
+    from tandem.engine.engine import Engine
 
     _compile_only_on_h200()
     hf = PRESETS[preset]

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster import Cluster, assert_idle, cancel_at_three_stages, long_request
 from decode_worker.server import DecodeWorker
 from tandem import LLM, SamplingParams
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.model.source import load_model
 from tandem.metrics import Metrics
 from tandem.rpc import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.engine.loop import EngineLoop
 from tandem.engine.sampling_params import SamplingParams
 from tandem.model.presets import preset_config, random_model

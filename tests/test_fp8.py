@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tandem.config import ConfigError, EngineConfig, ModelConfig
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.model import fp8
 from tandem.model.fp8 import convert_checkpoint, dequantize_block_fp8, is_quantized, quantize_block_fp8

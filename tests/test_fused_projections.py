@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.config import EngineConfig
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.model.loader import build_empty_model

@@ -9,7 +9,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.model.presets import preset_config, random_model
 
 LENGTHS, MAX_NEW = [3, 20, 7, 33, 12, 5, 1, 26], [10, 20, 5, 15, 8, 12, 1, 4]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.model.loader import load_checkpoint
 from admitted import admitted

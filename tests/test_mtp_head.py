@@ -8,7 +8,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 from transformers import Qwen3_5MoeTextConfig
 
 from tandem.config import EngineConfig
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.engine.sequence import Sequence

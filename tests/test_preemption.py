@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tandem.config import ConfigError, EngineConfig
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.model.presets import preset_config, random_model
 

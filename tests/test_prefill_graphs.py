@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.engine.prefill_graphs import token_buckets
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledChunk

@@ -8,7 +8,7 @@ import torch
 from tandem.cache.handoff import gather_state
 from tandem.cache.prefix import BlockPool
 from tandem.config import EngineConfig
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Status
 from tandem.model.presets import preset_config, random_model

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-import tandem.engine.llm as llm_module
+import tandem.engine.engine as engine_module
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.engine.sequence import Sequence
 from tandem.model.presets import preset_config, random_model
@@ -25,7 +25,7 @@ def run(name, k, monkeypatch=None, oracle=None, corrupt=0.0):
     if oracle is not None:
         # Drafts from the k=0 continuation, corrupted at random: exercises every acceptance length. The real
         # drafter still runs first, so the MTP cache is maintained exactly as in production.
-        rng, real = random.Random(1), llm_module.draft
+        rng, real = random.Random(1), engine_module.draft
 
         def oracle_draft(model, runner, pools, items, hidden, drafting, kk):
             out = real(model, runner, pools, items, hidden, drafting, kk)
@@ -36,7 +36,7 @@ def run(name, k, monkeypatch=None, oracle=None, corrupt=0.0):
                             for i, t in enumerate((ref + d)[:kk])]
             return out
 
-        monkeypatch.setattr(llm_module, "draft", oracle_draft)
+        monkeypatch.setattr(engine_module, "draft", oracle_draft)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_NEW])
     assert llm.engine.pools.blocks.num_used == 0 and llm.engine.pools.slots.num_used == 0
@@ -104,12 +104,12 @@ def test_stochastic_verification_is_lossless(monkeypatch):
     base, _ = pair_freqs(0)
     top = max(base, key=base.get)
     with monkeypatch.context() as m:
-        real = llm_module.draft
+        real = engine_module.draft
 
         def fixed_draft(*args):
             return [[top[1], top[0]] if d else d for d in real(*args)]
 
-        m.setattr(llm_module, "draft", fixed_draft)
+        m.setattr(engine_module, "draft", fixed_draft)
         spec, stats = pair_freqs(2)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     for q in set(base) | set(spec):

@@ -11,7 +11,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig, ModelConfig
-from tandem.engine.llm import Engine
+from tandem.engine.engine import Engine
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.model.loader import load_checkpoint
 from admitted import admitted

@@ -19,7 +19,8 @@ from tandem import LLM, SamplingParams
 from tandem.cache.handoff import gather_state
 from tandem.client import TandemClient
 from tandem.config import EngineConfig
-from tandem.engine.llm import Engine, build_model
+from tandem.engine.engine import Engine
+from tandem.engine.llm import build_model
 from tandem.launch import Child, _stop_all
 from tandem.rpc.auth import INTERNAL_TOKEN_ENV
 from tandem.rpc.convert import finish_reason_name

@@ -63,7 +63,7 @@ def random_model(text, seed=0):
 
 def check_against_tandem_and_hf(tmp):
     from tandem.config import EngineConfig, ModelConfig
-    from tandem.engine.llm import Engine
+    from tandem.engine.engine import Engine
     from tandem.engine.sampling_params import SamplingParams
     from tandem.engine.scheduler import ScheduledChunk
     from tandem.engine.sequence import Sequence
