@@ -93,7 +93,9 @@ def test_engine_drafts_match_reference():
     model = random_model(cfg, "cpu", torch.float32, seed=3)
     hf_layer, rotary = hf_mtp_layer(cfg, model)
     prompt = torch.randint(2, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(1)).tolist()
-    eng = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64, num_speculative_tokens=3))
+    # one step for the whole prompt: a prefix cache would end a chunk at the prompt's last block boundary
+    eng = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64, num_speculative_tokens=3,
+                                          enable_prefix_caching=False))
     eng.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     seq = eng.sequences["r"]
     eng.step()

@@ -25,7 +25,8 @@ class GrammarMasks:
         self.vocab_size, self.words = vocab_size, (vocab_size + 31) // 32
         eos_only = np.zeros(self.words, dtype=np.uint32)  # what a matcher that failed still allows
         for t in eos_ids:
-            eos_only[t // 32] |= np.uint32(1 << (t % 32))
+            if t < vocab_size:  # a config's eos past its vocabulary (the kernel checks' shrunk presets) is no token
+                eos_only[t // 32] |= np.uint32(1 << (t % 32))
         self.eos_only = eos_only.view(np.int32)
         self._executor = None
 
