@@ -32,15 +32,6 @@ def kv_block_bytes(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, tp_size
     return layers * 2 * ecfg.block_size * (cfg.num_kv_heads // tp_size) * cfg.head_dim * ecfg.dtype.itemsize
 
 
-def state_slot_bytes(cfg: ModelConfig, ecfg: EngineConfig, tp_size: int = 1) -> int:
-    n = tp_size
-    conv = cfg.conv_dim // n * (cfg.conv_kernel - 1) * ecfg.dtype.itemsize
-    rec = cfg.gdn_num_v_heads // n * cfg.gdn_k_dim * cfg.gdn_v_dim * (cfg.ssm_dtype or ecfg.dtype).itemsize
-    pending = 2 * (1 + ecfg.num_speculative_tokens) * ecfg.dtype.itemsize * pending_width(
-        cfg.conv_dim // n, cfg.gdn_num_k_heads // n, cfg.gdn_k_dim, cfg.gdn_num_v_heads // n, cfg.gdn_v_dim)
-    return cfg.layer_types.count("linear_attention") * (conv + rec + pending)
-
-
 def snapshot_bytes(cfg: ModelConfig, ecfg: EngineConfig, tp_size: int = 1) -> int:
     """One prefix-cache snapshot: every GDN layer's conv and recurrent state."""
     n = tp_size
@@ -49,12 +40,26 @@ def snapshot_bytes(cfg: ModelConfig, ecfg: EngineConfig, tp_size: int = 1) -> in
     return cfg.layer_types.count("linear_attention") * (conv + rec)
 
 
+def state_slot_bytes(cfg: ModelConfig, ecfg: EngineConfig, tp_size: int = 1) -> int:
+    """One running request's slot: a snapshot's states and two pending buffers of k + 1 rows per GDN layer."""
+    n = tp_size
+    pending = 2 * (1 + ecfg.num_speculative_tokens) * ecfg.dtype.itemsize * pending_width(
+        cfg.conv_dim // n, cfg.gdn_num_k_heads // n, cfg.gdn_k_dim, cfg.gdn_num_v_heads // n, cfg.gdn_v_dim)
+    return snapshot_bytes(cfg, ecfg, tp_size) + cfg.layer_types.count("linear_attention") * pending
+
+
 def cache_bytes(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, tp_size: int = 1) -> int:
     """What the pools of `ecfg`'s sizes take (null block, null slot and unused snapshot entry 0 included)."""
     snapshots = ecfg.num_state_snapshots + 1 if ecfg.num_state_snapshots else 0
     return (ecfg.num_kv_blocks * kv_block_bytes(cfg, ecfg, with_mtp, tp_size)
             + (ecfg.num_state_slots + 1) * state_slot_bytes(cfg, ecfg, tp_size)
             + snapshots * snapshot_bytes(cfg, ecfg, tp_size))
+
+
+def slots_that_fit(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, budget: int, tp_size: int = 1) -> int:
+    """The state slots `budget` bytes hold beside one max_model_len request's KV blocks (and the null slot)."""
+    blocks = (ecfg.blocks_per_seq + 1) * kv_block_bytes(cfg, ecfg, with_mtp, tp_size)
+    return (budget - blocks) // state_slot_bytes(cfg, ecfg, tp_size) - 1
 
 
 def size_caches(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, budget: int, tp_size: int = 1) -> None:
@@ -68,7 +73,7 @@ def size_caches(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, budget: in
         raise ConfigError(f"the KV cache has {budget / GIB:.2f} GiB ({budget} bytes); one max_model_len "
                           f"({ecfg.max_model_len}) request needs {need / GIB:.2f} GiB ({need} bytes): give it more "
                           f"memory, or lower max_model_len (the largest that fits is {fits})")
-    slots = ecfg.num_state_slots or min(ecfg.max_num_seqs, (budget - min_blocks * blk) // slot - 1)
+    slots = ecfg.num_state_slots or min(ecfg.max_num_seqs, slots_that_fit(cfg, ecfg, with_mtp, budget, tp_size))
     if slots < ecfg.max_num_seqs:
         log.warning("max_num_seqs lowered from %d to %d: the state slots that fit beside one max_model_len "
                     "request's KV blocks", ecfg.max_num_seqs, slots)

@@ -13,7 +13,7 @@ import torch
 from tandem.cache.handoff import gather_state, scatter_state
 from tandem.cache.pools import CachePools
 from tandem.cache.prefix import PrefixCache, chain_seed
-from tandem.cache.sizing import GIB, cache_bytes, log_capacity, size_caches
+from tandem.cache.sizing import GIB, cache_bytes, log_capacity, size_caches, slots_that_fit
 from tandem.config import ConfigError, EngineConfig, ModelConfig
 from tandem.engine.runner import ModelRunner
 from tandem.engine.graphs import DecodeGraphs
@@ -131,8 +131,9 @@ class Engine:
         """On a GPU: the bytes the caches may take, gpu_memory_utilization x the device's memory less what this
         process holds beside them: the weights and the CUDA context now, the peak of the largest steps (a step of
         the whole token budget, and a decode step of max_num_seqs requests with sampling and drafting), run on the
-        smallest pools that serve them, and the CUDA graphs' pools, captured on those pools and freed again (the
-        prefill graphs of every bucket; the largest decode bucket, whose pool the smaller ones reuse)."""
+        smallest pools that serve them, and the CUDA graphs' pools, captured on a probe and freed again (the prefill
+        graphs of every bucket; the largest decode batch, whose pool the smaller ones reuse). Lowers max_num_seqs
+        to the state slots that fit beside its decode graphs when fewer do."""
         ecfg = self.ecfg
         if not ecfg.device.startswith("cuda") or self.tp.world_size > 1:
             raise ConfigError("size the caches with kv_cache_memory_bytes or num_kv_blocks (memory is profiled on "
@@ -157,52 +158,60 @@ class Engine:
             else:
                 raise RuntimeError("the memory profile's requests did not finish")
         torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - before
-        graph_bytes = self._graph_pool_bytes(model, dev) if ecfg.cuda_graphs else 0
-        self.pools = self.scheduler = self.runner = self.graphs = None
-        self.ecfg = ecfg
+        activations = max(0, torch.cuda.max_memory_allocated(dev) - before)  # `before` counted the probe's pools
         self.spec_stats = SpecStats(ecfg.num_speculative_tokens)  # the profile's drafts are no one's
+        self.pools = self.scheduler = self.runner = self.graphs = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
-        activations = max(0, peak)  # `before` counted the probe's pools already
-        budget = int(ecfg.gpu_memory_utilization * total) - (total - free) - activations - graph_bytes
+        spare = int(ecfg.gpu_memory_utilization * total) - (total - free) - activations
+        prefill_graphs = decode_graphs = 0
+        if ecfg.cuda_graphs:  # captured on a probe of one slot: the graphs' memory does not depend on the pools
+            self.ecfg = replace(self.ecfg, num_state_slots=1)
+            self._build_caches(model)
+            prefill_graphs = self._graph_bytes(dev, lambda: PrefillGraphs(model, self.pools.layer_caches, self.ecfg))
+        if ecfg.cuda_graphs and not self.prefill_only:
+            def decode_bytes(batch: int) -> int:  # the largest batch's graphs hold the pool the smaller ones reuse
+                self.ecfg = replace(self.ecfg, max_num_seqs=batch)
+                return self._graph_bytes(dev, lambda: DecodeGraphs(model, self.pools, self.ecfg), largest_only=True)
+
+            decode_graphs = decode_bytes(ecfg.max_num_seqs)
+            # the decode graphs grow with the batch: when fewer slots than max_num_seqs fit beside the largest
+            # batch's graphs, the batch is lowered to those slots, whose graphs take less
+            fits = slots_that_fit(self.cfg, ecfg, hasattr(model, "mtp"), spare - prefill_graphs - decode_graphs,
+                                  self.tp.world_size)
+            if 0 < fits < ecfg.max_num_seqs:
+                log.warning("max_num_seqs lowered from %d to %d: the state slots that fit beside the CUDA graphs "
+                            "of that batch", ecfg.max_num_seqs, fits)
+                ecfg.max_num_seqs = fits
+                decode_graphs = decode_bytes(fits)
+        self.pools = self.scheduler = self.runner = self.graphs = None
+        self.ecfg = ecfg
+        torch.cuda.empty_cache()
+        budget = spare - prefill_graphs - decode_graphs
         log.info("memory profile: %.2f GiB of %.2f GiB in use after loading (weights, CUDA context), %.2f GiB peak "
-                 "of the largest steps, %.2f GiB of CUDA graphs: %.2f GiB left for the caches at "
-                 "gpu_memory_utilization %.2f", (total - free) / GIB, total / GIB, activations / GIB,
-                 graph_bytes / GIB, max(budget, 0) / GIB, ecfg.gpu_memory_utilization)
+                 "of the largest steps, %.2f GiB of prefill CUDA graphs, %.2f GiB of decode CUDA graphs (batch %d): "
+                 "%.2f GiB left for the caches at gpu_memory_utilization %.2f",
+                 (total - free) / GIB, total / GIB, activations / GIB, prefill_graphs / GIB, decode_graphs / GIB,
+                 ecfg.max_num_seqs, max(budget, 0) / GIB, ecfg.gpu_memory_utilization)
         if budget <= 0:
             raise ConfigError(f"no memory left for the KV cache at gpu_memory_utilization "
                               f"{ecfg.gpu_memory_utilization}: raise it or load a smaller model")
         return budget
 
-    def _graph_pool_bytes(self, model, dev) -> int:
-        """The device memory the serving engine's CUDA graphs will hold, captured here on a probe of one state slot
-        (the graphs' memory does not depend on the pools' sizes; the slots of max_num_seqs requests could leave
-        too little room for them)."""
-        self.pools = self.scheduler = self.runner = self.graphs = None
-        torch.cuda.empty_cache()
-        self.ecfg = replace(self.ecfg, num_state_slots=1)
-        self._build_caches(model)
+    def _graph_bytes(self, dev, make, **capture) -> int:
+        """The device memory of the graphs `make()` builds (on the probe's pools) once captured; freed again."""
         def free() -> int:
             torch.cuda.synchronize(dev)
             torch.cuda.empty_cache()  # the captures' eager warm-ups are not the graphs' memory
             return torch.cuda.mem_get_info(dev)[0]
 
         start = free()
-        prefill = PrefillGraphs(model, self.pools.layer_caches, self.ecfg)
-        prefill.capture_all()
-        after_prefill = free()
-        decode = None
-        if not self.prefill_only:
-            decode = DecodeGraphs(model, self.pools, self.ecfg)
-            decode.capture_all(largest_only=True)
-        end = free()
-        log.info("memory profile: prefill CUDA graphs (token counts up to %d) hold %.2f GiB, decode CUDA graphs "
-                 "(batch %d) %.2f GiB", prefill.buckets[-1], (start - after_prefill) / GIB,
-                 decode.buckets[-1] if decode else 0, (after_prefill - end) / GIB)
-        del prefill, decode
+        graphs = make()
+        graphs.capture_all(**capture)
+        used = start - free()
+        del graphs
         torch.cuda.empty_cache()
-        return max(0, start - end)
+        return max(0, used)
 
     def capture_graphs(self) -> None:
         """Captures the decode graph of every batch bucket and the prefill graphs of every token bucket now (a
