@@ -40,14 +40,14 @@ def _chain(prev: int, tokens: list[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def block_keys(tokens: list[int], block_size: int, with_next: bool, seed: int, keys: list[int]) -> list[int]:
-    """Extends `keys` (the keys of the first len(keys) blocks of `tokens`) to every full block whose key is
-    defined: with `with_next`, a block's key also needs the token after it. Returns `keys`."""
+def block_keys(tail: list[int], block_size: int, with_next: bool, seed: int, keys: list[int]) -> list[int]:
+    """Extends `keys` (the keys of a sequence's first len(keys) blocks) with the keys of the full blocks of `tail`,
+    the sequence's tokens from the end of those blocks on; with `with_next`, a block's key also needs the token
+    after it. Returns `keys`."""
     prev = keys[-1] if keys else seed
-    i = len(keys)
-    while (i + 1) * block_size + with_next <= len(tokens):
-        end = (i + 1) * block_size
-        prev = _chain(prev, tokens[i * block_size : end + with_next])
+    i = 0
+    while (i + 1) * block_size + with_next <= len(tail):
+        prev = _chain(prev, tail[i * block_size : (i + 1) * block_size + with_next])
         keys.append(prev)
         i += 1
     return keys
@@ -193,7 +193,9 @@ class PrefixCache:
         self.queries = self.hits = 0
 
     def _keys(self, seq) -> list[int]:
-        return block_keys(seq.token_ids, self.block_size, self.with_next, self.seed, seq.block_keys)
+        # only the tokens past the blocks keyed so far: this runs on the decode path, every block_size tokens
+        tail = seq.tokens(len(seq.block_keys) * self.block_size, seq.num_tokens)
+        return block_keys(tail, self.block_size, self.with_next, self.seed, seq.block_keys)
 
     def match(self, seq) -> Hit:
         """The longest cached chain of the tokens `seq` prefills that ends in a snapshot, at most all but the

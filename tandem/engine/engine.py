@@ -446,7 +446,7 @@ class Engine:
         for i, c in enumerate(chunks):
             seq, n = c.seq, c.num_tokens
             first_pos = seq.num_computed - n
-            known = seq.token_ids[first_pos + 1 : first_pos + n + 1]  # the next token of each row, where known
+            known = seq.tokens(first_pos + 1, first_pos + n + 1)  # the next token of each row, where known
             if i in done:
                 if self._emit(seq, *first[i]):
                     finished.append(seq)

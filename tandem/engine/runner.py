@@ -28,7 +28,7 @@ class ModelRunner:
         rows = []
         for c in chunks:
             start = c.seq.num_computed
-            rows.append((c.seq, start, (c.seq.token_ids + c.seq.drafts)[start : start + c.num_tokens]))
+            rows.append((c.seq, start, (c.seq.tokens(start, start + c.num_tokens) + c.seq.drafts)[: c.num_tokens]))
         return self.rows_batch(rows)
 
     @traced

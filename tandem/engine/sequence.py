@@ -57,6 +57,11 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end], without building token_ids (as long as the context) on the decode path."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[start:end] + self.output_token_ids[max(0, start - n) : max(0, end - n)]
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
