@@ -16,17 +16,18 @@ finite garbage there that nothing reads.
 
 Graphs of all buckets share one memory pool and are captured largest first; a step replays one bucket's graphs in
 the order they were captured, so memory that one capture gave back to the pool can serve a later one. What the
-cores read stays allocated per bucket (on the 35B-A3B about 0.8 MB per token of the bucket, mostly the fused GDN
-projections whose parts the recurrence reads): ~8 GB for the buckets up to 2048 tokens, ~19 GB up to 4096. What
-they write is one buffer per core for all buckets (0.3 MB per token of the largest). Per bucket, as it was, that
-was ~3 GB more up to 2048 and ~6 GB up to 4096, where an 80 GB card with the FP8 35B-A3B ran out of memory.
+cores read (on the 35B-A3B about 0.8 MB per token of the bucket, mostly the fused GDN projections whose parts the
+recurrence reads) is given back too once a bucket is captured, though its graphs still write it: a step replays
+one bucket, which writes each core's inputs right before the core reads them, so another bucket's use of that
+memory is never live at the same time. Held per bucket, it took 13 GiB of an 80 GB card for the buckets up to
+4096 tokens. What the cores write is one buffer per core for all buckets (0.3 MB per token of the largest).
 On a CPU (tests) nothing is captured: each step runs the forward over the same padded buffers and static core
 outputs, so the padding logic is checked against the plain forward without a GPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +46,13 @@ def token_buckets(max_tokens: int) -> list[int]:
     1/8 of a step is padding past 512 rows), and max_tokens itself."""
     sizes = [64, 128, 256, 512] + list(range(768, 2049, 256)) + list(range(2560, max_tokens, 512))
     return [t for t in sizes if t < max_tokens] + [max_tokens]
+
+
+def _unowned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over t's memory that does not keep it allocated (as vLLM's piecewise graphs keep their outputs)."""
+    storage = t.untyped_storage()
+    unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(unowned, t.storage_offset(), t.shape, t.stride())
 
 
 @dataclass
@@ -156,7 +164,11 @@ class PrefillGraphs:
             cores.append(core)
             outs.append(sent)
         torch.cuda.synchronize()
-        self.pieces[n] = _Pieces(graphs, cores, outs, hidden)
+        # what the cores read and the final hidden states stay at their addresses but stop holding them, so the
+        # next (smaller) bucket's capture reuses that pool memory: one step replays one bucket, whose graphs write
+        # each core's inputs right before the core reads them
+        cores = [replace(c, inputs=tuple(map(_unowned, c.inputs))) for c in cores]
+        self.pieces[n] = _Pieces(graphs, cores, outs, _unowned(hidden))
 
     def _run_uncaptured(self, n: int, batch: ForwardBatch, T: int) -> torch.Tensor:
         """What replaying bucket n computes, without graphs: the forward over the static buffers, each core on
