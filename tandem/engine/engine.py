@@ -133,7 +133,7 @@ class Engine:
         the whole token budget, and a decode step of max_num_seqs requests with sampling and drafting), run on the
         smallest pools that serve them, and the CUDA graphs' pools, captured on a probe and freed again (the prefill
         graphs of every bucket; the largest decode batch, whose pool the smaller ones reuse). Lowers max_num_seqs
-        to the state slots that fit beside its decode graphs when fewer do."""
+        when fewer state slots fit beside its decode graphs (`_decode_graphs_batch`)."""
         ecfg = self.ecfg
         if not ecfg.device.startswith("cuda") or self.tp.world_size > 1:
             raise ConfigError("size the caches with kv_cache_memory_bytes or num_kv_blocks (memory is profiled on "
@@ -170,20 +170,7 @@ class Engine:
             self._build_caches(model)
             prefill_graphs = self._graph_bytes(dev, lambda: PrefillGraphs(model, self.pools.layer_caches, self.ecfg))
         if ecfg.cuda_graphs and not self.prefill_only:
-            def decode_bytes(batch: int) -> int:  # the largest batch's graphs hold the pool the smaller ones reuse
-                self.ecfg = replace(self.ecfg, max_num_seqs=batch)
-                return self._graph_bytes(dev, lambda: DecodeGraphs(model, self.pools, self.ecfg), largest_only=True)
-
-            decode_graphs = decode_bytes(ecfg.max_num_seqs)
-            # the decode graphs grow with the batch: when fewer slots than max_num_seqs fit beside the largest
-            # batch's graphs, the batch is lowered to those slots, whose graphs take less
-            fits = slots_that_fit(self.cfg, ecfg, hasattr(model, "mtp"), spare - prefill_graphs - decode_graphs,
-                                  self.tp.world_size)
-            if 0 < fits < ecfg.max_num_seqs:
-                log.warning("max_num_seqs lowered from %d to %d: the state slots that fit beside the CUDA graphs "
-                            "of that batch", ecfg.max_num_seqs, fits)
-                ecfg.max_num_seqs = fits
-                decode_graphs = decode_bytes(fits)
+            ecfg.max_num_seqs, decode_graphs = self._decode_graphs_batch(model, dev, spare - prefill_graphs)
         self.pools = self.scheduler = self.runner = self.graphs = None
         self.ecfg = ecfg
         torch.cuda.empty_cache()
@@ -197,6 +184,33 @@ class Engine:
             raise ConfigError(f"no memory left for the KV cache at gpu_memory_utilization "
                               f"{ecfg.gpu_memory_utilization}: raise it or load a smaller model")
         return budget
+
+    def _decode_graphs_batch(self, model, dev, room: int) -> tuple[int, int]:
+        """(The batch the decode graphs are captured up to, their bytes). The graphs grow with the batch: when
+        fewer than max_num_seqs state slots fit in `room` bytes beside the graphs of max_num_seqs, the batch is
+        the largest whose graphs (interpolated between batch 1's and max_num_seqs', then measured) leave it its
+        slots, or fewer if the measure says so; max_num_seqs is lowered to it."""
+        most, with_mtp = self.ecfg.max_num_seqs, hasattr(model, "mtp")
+
+        def measure(batch: int) -> int:  # the largest batch's graphs hold the pool the smaller ones reuse
+            self.ecfg = replace(self.ecfg, max_num_seqs=batch)
+            return self._graph_bytes(dev, lambda: DecodeGraphs(model, self.pools, self.ecfg), largest_only=True)
+
+        def slots(graph_bytes: int) -> int:
+            return slots_that_fit(self.cfg, self.ecfg, with_mtp, room - graph_bytes, self.tp.world_size)
+
+        top = measure(most)
+        if slots(top) >= most:
+            return most, top
+        one = measure(1)
+        batch = max((b for b in range(1, most) if slots(one + (top - one) * (b - 1) // (most - 1)) >= b), default=1)
+        graph_bytes = measure(batch)
+        if 0 < slots(graph_bytes) < batch:
+            batch = slots(graph_bytes)
+            graph_bytes = measure(batch)
+        log.warning("max_num_seqs lowered from %d to %d: the state slots that fit beside the decode CUDA graphs of "
+                    "that batch", most, batch)
+        return batch, graph_bytes
 
     def _graph_bytes(self, dev, make, **capture) -> int:
         """The device memory of the graphs `make()` builds (on the probe's pools) once captured; freed again."""
