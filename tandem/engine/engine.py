@@ -3,6 +3,7 @@ batched forward (prefill chunks and decode or verify rows together) and samples 
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import time
@@ -219,11 +220,14 @@ class Engine:
             torch.cuda.empty_cache()  # the captures' eager warm-ups are not the graphs' memory
             return torch.cuda.mem_get_info(dev)[0]
 
-        start = free()
+        start, reserved = free(), torch.cuda.memory_reserved(dev)
         graphs = make()
         graphs.capture_all(**capture)
         used = start - free()
+        log.info("memory profile: %s hold %.2f GiB (%.2f GiB reserved by torch)", type(graphs).__name__, used / GIB,
+                 (torch.cuda.memory_reserved(dev) - reserved) / GIB)
         del graphs
+        gc.collect()  # now: graphs the collector destroyed during a later capture would invalidate it
         torch.cuda.empty_cache()
         return max(0, used)
 

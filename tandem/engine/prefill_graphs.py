@@ -75,6 +75,8 @@ class PrefillGraphs:
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # one capture stream for every bucket: the allocator reuses a freed block only on the stream it was used on
+        self.stream = torch.cuda.Stream() if self.capture else None
         self.pieces: dict[int, _Pieces] = {}
         self.cpu_outs: dict[int, list[torch.Tensor]] = {}  # the static core outputs of the CPU path, per bucket
         self.core_outs: list[torch.Tensor] = []  # core i's output buffer, of the largest bucket's rows
@@ -144,10 +146,9 @@ class PrefillGraphs:
         torch.cuda.empty_cache()
         batch = self._static_batch(n)  # fresh derived entries (RoPE tables): computed inside the graphs
         steps, graphs, cores, outs, sent = self.model.steps(batch, self.caches), [], [], [], None
-        stream = torch.cuda.Stream()
         while True:
             graph, core = torch.cuda.CUDAGraph(), None
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(self.stream):
                 graph.capture_begin(pool=self.pool)
                 try:
                     core = steps.send(sent)  # runs (records) the row-wise part up to the next core
