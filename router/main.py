@@ -8,6 +8,7 @@ import logging
 from router.auth import ApiKeyInterceptor, load_api_key
 from router.chat_parsers import Parsers, add_parser_args
 from router.cors import Cors, add_cors_args
+from router.routing import RoutingConfig, add_routing_args
 from router.server import Router
 from router.workers import WorkerPool
 from tandem.rpc import router_pb2, router_pb2_grpc
@@ -52,6 +53,7 @@ def add_args(ap) -> None:
     ap.add_argument("--decode-failover", action="store_true",
                     help="when a decode worker dies mid-stream, continue its requests on another one (re-prefilling "
                     "prompt + generated tokens; exact for greedy sampling without penalties)")
+    add_routing_args(ap)
     add_tls_args(ap)
     add_cors_args(ap)
     add_parser_args(ap)
@@ -66,6 +68,11 @@ def main(args) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
+    try:
+        routing = RoutingConfig.from_args(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     metrics, metrics_address = start_metrics(args, "router")
     tls = Tls.from_args(args)
     token = internal_token(args, "router")
@@ -73,10 +80,10 @@ def main(args) -> int:
     if colocated:
         log.info("no prefill workers: colocated mode, decode workers prefill their requests")
     prefill = None if colocated else WorkerPool("prefill", _list(args.prefill_workers), args.prefill_dns,
-                                                args.poll_seconds, metrics, tls=tls,
-                                                internal_token=token).start()
+                                                args.poll_seconds, metrics, tls=tls, internal_token=token,
+                                                routing=routing).start()
     decode = WorkerPool("decode", _list(args.decode_workers), args.decode_dns, args.poll_seconds, metrics,
-                        tls=tls, internal_token=token).start()
+                        tls=tls, internal_token=token, routing=routing).start()
     tokenizer = load_tokenizer_for(args.model)
     model_name = served_model_name(args)
     router = Router(cfg, model_name, args.max_model_len,

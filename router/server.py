@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import grpc
 
 from router.decode_stream import StreamError
+from router.routing import Route
 from router.workers import Worker, WorkerPool
 from tandem import __version__
 from tandem.config import ModelConfig
@@ -59,6 +60,7 @@ class _Active:
     closed: bool = False  # the client's RPC has ended
     metrics: _RequestMetrics | None = None
     cached_tokens: int = 0  # prompt tokens the worker that prefilled it found in its prefix cache
+    route: Route | None = None  # where its prompt went and why (router/routing.py)
 
 
 class _RequestMetrics:
@@ -286,6 +288,7 @@ class Router(router_pb2_grpc.TandemServicer):
                             yield msg
                             return
                         yield msg
+                    self.decode.placed(state.decode, state.route, prompt + generated)  # the next turn's prefix
                     return
                 except grpc.RpcError as e:
                     # (not under a grammar: a new worker's matcher would start again at the generated tokens)
@@ -371,8 +374,9 @@ class Router(router_pb2_grpc.TandemServicer):
         failures = {grpc.StatusCode.UNAVAILABLE: 0, grpc.StatusCode.ABORTED: 0}
         limits = {grpc.StatusCode.UNAVAILABLE: max(2, len((self.prefill or self.decode).all())),
                   grpc.StatusCode.ABORTED: LEASE_ATTEMPTS}
+        state.route = Route(prompt)
         while True:
-            admitted = self._admit(prompt, context, tried) if self.prefill is not None else None
+            admitted = self._admit(prompt, context, tried, state.route) if self.prefill is not None else None
             lease = self._reserve(state, prompt, params, context)
             if state.aborted or state.closed:
                 return lease, None
@@ -390,10 +394,10 @@ class Router(router_pb2_grpc.TandemServicer):
                 log.warning("prefill of %s failed (%s); retrying with a new lease", state.request_id, e.details())
                 self._release_decode(state)
 
-    def _admit(self, prompt, context, tried: set[str]) -> Worker:
+    def _admit(self, prompt, context, tried: set[str], route: Route) -> Worker:
         """The best prefill worker (not tried yet for this request, while any is left) whose queue has room for the
         prompt; RESOURCE_EXHAUSTED with a retry hint, before any decode capacity is leased, when none has."""
-        candidates = self.prefill.candidates()
+        candidates = self.prefill.candidates(route=route)
         candidates = [w for w in candidates if w.address not in tried] or candidates
         req, full = worker_pb2.AdmitRequest(prompt_tokens=len(prompt)), 0
         for w in candidates:
@@ -420,7 +424,7 @@ class Router(router_pb2_grpc.TandemServicer):
         give_up, waiting = time.monotonic() + self.queue_timeout, False
         try:
             while True:
-                candidates = self.decode.candidates(len(prompt) + 1 + self.k)  # what the lease holds
+                candidates = self.decode.candidates(len(prompt) + 1 + self.k, state.route)  # what the lease holds
                 if not candidates:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
                 for w in candidates:
@@ -436,6 +440,7 @@ class Router(router_pb2_grpc.TandemServicer):
                             continue
                         raise
                     state.decode = w
+                    self.decode.placed(w, state.route)
                     return lease
                 if time.monotonic() > give_up or state.aborted or not context.is_active():
                     self._exhausted(context, f"every decode worker stayed full for {self.queue_timeout:.0f} s; "
@@ -467,7 +472,9 @@ class Router(router_pb2_grpc.TandemServicer):
         if admitted is None:
             w = state.decode  # state.prefill stays None: aborting on the decode worker covers its prefill too
             try:
-                return self._renewing(w.prefill_stub.Prefill, req, state, lease, context)
+                first = self._renewing(w.prefill_stub.Prefill, req, state, lease, context)
+                self.decode.count(w, state.route)
+                return first
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     w.healthy = False  # the decode worker is gone: skip it until its next good poll
@@ -477,8 +484,11 @@ class Router(router_pb2_grpc.TandemServicer):
             state.prefill = w
             w.inflight_requests += 1
             w.inflight_prompt_tokens += len(prompt)
+            self.prefill.placed(w, state.route)
             try:
-                return self._renewing(w.stub.Prefill, req, state, lease, context)
+                first = self._renewing(w.stub.Prefill, req, state, lease, context)
+                self.prefill.count(w, state.route)
+                return first
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the lease is unused still: try the next one
                     continue

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from router.decode_stream import DecodeStream
+from router.routing import Route, RoutingConfig, RoutingPolicy
 from tandem.rpc import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.rpc.auth import with_internal_token
 from tandem.rpc.server import Tls, make_channel, worker_channel_options
@@ -46,8 +47,9 @@ def resolve(dns: str) -> list[str]:
 
 class WorkerPool:
     def __init__(self, role: str, addresses: list[str], dns: str | None, poll_seconds: float = 1.0, metrics=None,
-                 tls: Tls | None = None, internal_token: str | None = None):
+                 tls: Tls | None = None, internal_token: str | None = None, routing: RoutingConfig | None = None):
         self.tls, self.internal_token = tls, internal_token
+        self.routing = RoutingPolicy(routing or RoutingConfig(), role)
         if not addresses and not dns:
             raise ValueError(f"no {role} workers: give addresses or a DNS name")
         self.role, self._static, self._dns, self._poll = role, list(addresses), dns, poll_seconds
@@ -80,6 +82,7 @@ class WorkerPool:
         with self._lock:
             for gone in set(self.workers) - addresses:
                 self.workers.pop(gone).channel.close()
+                self.routing.forget(gone)
                 if self.metrics is not None:
                     self.metrics.remove_worker(gone, self.role)
             for a in addresses - set(self.workers):
@@ -99,19 +102,21 @@ class WorkerPool:
                 if w.healthy:
                     log.warning("%s worker %s is unhealthy: %s", self.role, w.address, e.code())
                 w.healthy = False
+                self.routing.forget(w.address)  # back, it may have restarted with an empty cache
             if self.metrics is not None:
                 self.metrics.set_worker_healthy(w.address, self.role, w.healthy)
 
-    def candidates(self, tokens: int = 0) -> list[Worker]:
-        """Healthy workers, best first: a prefill worker by queued prompt tokens; a decode worker first by
-        whether its free KV tokens and state slots (at the last poll) hold a lease of `tokens` tokens, then by free
-        KV blocks and state slots (as fractions) and running requests."""
+    def candidates(self, tokens: int = 0, route: Route | None = None) -> list[Worker]:
+        """Healthy workers, best first, by the routing policy (`router/routing.py`) when given the request's
+        `route`, else by load: a prefill worker by queued prompt tokens; a decode worker first by whether its free
+        KV tokens and state slots (at the last poll) hold a lease of `tokens` tokens, then by free KV blocks and
+        state slots (as fractions) and running requests."""
         with self._lock:
             ws = [w for w in self.workers.values() if w.healthy]
         # ties go to a random worker: requests arriving together would otherwise all pick the same one
         if self.role == "prefill":
-            return sorted(ws, key=lambda w: (w.inflight_prompt_tokens + w.load.queued_prompt_tokens,
-                                             w.inflight_requests, random.random()))
+            ranked = sorted(ws, key=lambda w: (self.load(w), w.inflight_requests, random.random()))
+            return self.routing.order(ranked, self.load, route)
 
         def cost(w):  # requests per unit of free capacity: spreads load, avoids nearly full workers
             ld = w.load
@@ -119,9 +124,26 @@ class WorkerPool:
             slots = ld.free_state_slots / ld.total_state_slots if ld.total_state_slots else 0.0
             return (1 + w.inflight_requests + ld.running_requests) / max(min(kv, slots), 1e-3)
 
-        def full(w):
-            return w.load.free_kv_tokens < tokens or not w.load.free_state_slots
-        return sorted(ws, key=lambda w: (full(w), cost(w), random.random()))
+        def fits(w):
+            return w.load.free_kv_tokens >= tokens and w.load.free_state_slots > 0
+        ranked = sorted(ws, key=lambda w: (not fits(w), cost(w), random.random()))
+        return self.routing.order(ranked, self.load, route, fits)
+
+    def load(self, w: Worker) -> int:
+        """What the routing policy balances, in tokens: a prefill worker's queued prompt tokens (with those the
+        router sent since the last poll), a decode worker's KV tokens in use (at the last poll)."""
+        if self.role == "prefill":
+            return w.inflight_prompt_tokens + w.load.queued_prompt_tokens
+        return w.load.total_kv_tokens - w.load.free_kv_tokens
+
+    def placed(self, w: Worker, route: Route, tokens: list[int] | None = None) -> None:
+        """The request was sent to `w` (`tokens`: what `w` holds by its end, when more than the prompt)."""
+        self.routing.placed(w, route, tokens)
+
+    def count(self, w: Worker, route: Route) -> None:
+        """`w` prefilled the request: tandem:router_requests_total by why it went there."""
+        if self.metrics is not None:
+            self.metrics.router_requests_total(route.reason(self.role, w.address)).inc()
 
     def max_model_len(self) -> int:
         """The shortest max_model_len the healthy workers reported (0: none reported yet)."""

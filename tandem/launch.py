@@ -137,12 +137,14 @@ def _restart(child: "Child", ann: dict) -> "Child":
 def serve(args) -> int:
     from router.chat_parsers import parser_argv
     from router.cors import cors_argv
+    from router.routing import RoutingConfig, routing_argv
 
     if args.decode_workers < 1 or args.prefill_workers < 0:
         print("error: --decode-workers must be at least 1 and --prefill-workers at least 0", file=sys.stderr)
         return 2
-    try:  # before any process starts: the worker would only fail in its model load
+    try:  # before any process starts: the worker would only fail in its model load, the router at its start
         check_divisible(model_config(args.model), args.tensor_parallel_size)
+        RoutingConfig.from_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -199,7 +201,7 @@ def serve(args) -> int:
                                   *(["--poll-seconds", str(args.poll_seconds)] if args.poll_seconds else []),
                                   *(["--metrics-port", str(args.metrics_port)] if args.metrics else []),
                                   *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
-                                  *cors_argv(args), *parser_argv(args),
+                                  *cors_argv(args), *parser_argv(args), *routing_argv(args),
                                   # no prefill workers: the router is colocated
                                   *(["--prefill-workers", ",".join(addresses["prefill"])] if not colocated else []),
                                   "--decode-workers", ",".join(addresses["decode"])], env=internal)
@@ -268,6 +270,7 @@ def _stop_all(children: list[Child], drain_timeout: float) -> None:
 def add_args(ap) -> None:
     from router.chat_parsers import add_parser_args
     from router.cors import add_cors_args
+    from router.routing import add_routing_args
     from tandem.transfer.kinds import BACKENDS
     from tandem.worker_setup import add_engine_args
 
@@ -292,6 +295,7 @@ def add_args(ap) -> None:
     ap.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP port")
     add_cors_args(ap)
     add_parser_args(ap)
+    add_routing_args(ap)
     ap.add_argument("--log-level", default="WARNING", help="every process's log level (DEBUG, INFO, WARNING, ...)")
     ap.add_argument("--inject-fault", default=None, help="testing only (passed to the prefill workers; FAULT@i: "
                     "prefill worker i only)")

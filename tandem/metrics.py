@@ -28,6 +28,8 @@ LABELS = ("model_name", "worker")
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 ROLES = ("router", "prefill", "decode")
 STEP_KINDS = ("decode", "mixed", "prefill")  # an engine step ran decode rows only, both, or prompt chunks only
+# why the router placed a request's prefill where it did (router/routing.py)
+ROUTES = ("prefix_hit", "least_loaded", "round_robin")
 
 # vLLM's boundaries (vllm/v1/metrics/loggers.py): TTFT, inter-token latency, and one list shared by the
 # per-request phase histograms (e2e, queue, prefill, decode).
@@ -104,6 +106,8 @@ _SPECS = (
           "engine_step_seconds, the time a mixed or prefill step spends per prompt token.", _P + _D, ("kind",)),
     _Spec("worker_healthy", Gauge, "1 when the router sees the worker healthy, else 0.", _R,
           ("target_worker", "role")),
+    _Spec("router_requests_total", Counter, "Prefills the router placed, by route: prefix_hit (on the worker with "
+          "the longest expected prefix-cache hit), least_loaded (by load), round_robin.", _R, ("route",)),
 )
 _BY_ATTR = {s.attr: s for s in _SPECS}
 _LABELLED = {s.attr for s in _SPECS if s.extra}
@@ -160,6 +164,9 @@ class Metrics:
                 elif s.attr in ("engine_step_seconds", "engine_step_prompt_tokens_total"):
                     for kind in STEP_KINDS:
                         getattr(self, s.attr)(kind)
+                elif s.attr == "router_requests_total":
+                    for route in ROUTES:
+                        self.router_requests_total(route)
 
     def __getattr__(self, attr):
         # Unlabelled metrics not pre-bound for this role are bound on first use.
@@ -197,6 +204,11 @@ class Metrics:
 
     def handoff_failures_total(self, reason: str):
         return self.families["handoff_failures_total"].labels(self.model_name, self.worker, reason)
+
+    def router_requests_total(self, route: str):
+        if route not in ROUTES:
+            raise ValueError(f"route: {route!r} is not one of {ROUTES}")
+        return self.families["router_requests_total"].labels(self.model_name, self.worker, route)
 
     def worker_healthy(self, target_worker: str, role: str):
         return self.families["worker_healthy"].labels(self.model_name, self.worker, target_worker, role)

@@ -326,12 +326,21 @@ def test_cache_counters_and_cached_tokens_in_the_report():
                 for i, r in enumerate(regs)]
     texts = lambda: [generate_latest(r).decode() for r in regs]  # noqa: E731
     counters[0][0].inc(500)  # before the run: not counted
+    routes = Counter("tandem:router_requests", "r", ["route"], registry=regs[0])
+    routes.labels("prefix_hit").inc(3)  # on the router's /metrics; counted before the run: not in the delta
     before = report.merge_cache([report.parse_cache_metrics(t) for t in texts()])
+    routes.labels("prefix_hit").inc(2)
+    routes.labels("least_loaded").inc(1)
     for (q, h), (queried, hit) in zip(counters, ((300, 240), (100, 0))):
         q.inc(queried)
         h.inc(hit)
     d = report.cache_delta(before, report.merge_cache([report.parse_cache_metrics(t) for t in texts()]))
-    assert d == {"queried_tokens": 400, "cached_tokens": 240, "computed_tokens": 160, "hit_rate": 60.0}
+    assert d == {"queried_tokens": 400, "cached_tokens": 240, "computed_tokens": 160, "hit_rate": 60.0,
+                 "workers": {"w0": {"queried_tokens": 300, "cached_tokens": 240, "computed_tokens": 60,
+                                    "hit_rate": 80.0},
+                             "w1": {"queried_tokens": 100, "cached_tokens": 0, "computed_tokens": 100,
+                                    "hit_rate": 0.0}},
+                 "routes": {"least_loaded": 1, "prefix_hit": 2}}
     assert report.parse_cache_metrics("# nothing\n") is None and report.cache_delta(None, before) is None
 
     outputs, *_ = run(FakeServer(cached=8), datasets.sample_multi_turn(2, 8, 2, 4, 3, 4000))
@@ -341,6 +350,8 @@ def test_cache_counters_and_cached_tokens_in_the_report():
     assert len(m["mean_ttft_ms_by_turn"]) == 2
     text = report.render(m, None, None, float("inf"), ["ttft"], [99], None, {"counters": d})
     assert "Cached input tokens:                     32" in text and "Worker cache hit rate (%):" in text
+    assert f"{'  w0 hit rate (%):':<40} 80.00" in text and f"{'  w1 hit rate (%):':<40} 0.00" in text
+    assert f"{'Router prefills by route:':<40} least_loaded 1, prefix_hit 2" in text
     absent = report.render(report.compute(run(FakeServer(), datasets.sample_multi_turn(1, 8, 2, 4, 3, 4000))[0],
                                           1.0, [99]), None, None, float("inf"), ["ttft"], [99], None,
                            {"counters": None})

@@ -14,6 +14,7 @@ SPEC_PREFIX = "tandem:spec_decode_"
 STEP_METRIC = "tandem:engine_step_seconds"
 STEP_TOKENS_METRIC = "tandem:engine_step_prompt_tokens_total"
 CACHE_METRICS = {"tandem:prefix_cache_queries_total": "queries", "tandem:prefix_cache_hits_total": "hits"}
+ROUTE_METRIC = "tandem:router_requests_total"
 
 
 def _stats(values: list[float], percentiles: list[float]) -> dict:
@@ -169,33 +170,59 @@ def steps_delta(before: dict | None, after: dict | None, duration: float) -> dic
     return {"kinds": kinds, "busy_percent": 100.0 * busy / duration if duration > 0 else 0.0}
 
 
-# ---- prefix cache (token counters, summed over every worker) -----------------------------------------------------
+# ---- prefix cache (token counters, summed over every worker and per worker; the router's routes) ---------------
 def parse_cache_metrics(text: str) -> dict | None:
-    """{"queries", "hits"}: the prompt tokens looked up in the workers' prefix caches and those found; None when
-    the text has neither series."""
+    """{"queries", "hits", "workers": {worker: {"queries", "hits"}}, "routes": {route: prefills}}: the prompt
+    tokens looked up in the workers' prefix caches and those found (in all and by the `worker` label), and the
+    router's placements by route where the text has them; None when the text has no prefix-cache series."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out, found = {"queries": 0.0, "hits": 0.0}, False
+    out, found = {"queries": 0.0, "hits": 0.0, "workers": {}, "routes": {}}, False
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name in CACHE_METRICS:
-                out[CACHE_METRICS[s.name]] += s.value
+                kind = CACHE_METRICS[s.name]
+                out[kind] += s.value
+                w = out["workers"].setdefault(s.labels.get("worker", "?"), {"queries": 0.0, "hits": 0.0})
+                w[kind] += s.value
                 found = True
+            elif s.name == ROUTE_METRIC:
+                route = s.labels.get("route", "?")
+                out["routes"][route] = out["routes"].get(route, 0.0) + s.value
     return out if found else None
 
 
 def merge_cache(parts: list[dict | None]) -> dict | None:
     parts = [p for p in parts if p is not None]
-    return {k: sum(p[k] for p in parts) for k in ("queries", "hits")} if parts else None
+    if not parts:
+        return None
+    out = {k: sum(p[k] for p in parts) for k in ("queries", "hits")}
+    out["workers"] = {w: c for p in parts for w, c in p.get("workers", {}).items()}
+    out["routes"] = {}
+    for p in parts:
+        for route, n in p.get("routes", {}).items():
+            out["routes"][route] = out["routes"].get(route, 0.0) + n
+    return out
+
+
+def _hits(queried: int, hits: int) -> dict:
+    return {"queried_tokens": queried, "cached_tokens": hits, "computed_tokens": queried - hits,
+            "hit_rate": 100.0 * hits / queried if queried else 0.0}
 
 
 def cache_delta(before: dict | None, after: dict | None) -> dict | None:
-    """The run's own lookups: queried, cached (hits) and computed (the rest) prompt tokens and the hit rate."""
+    """The run's own lookups: queried, cached (hits) and computed (the rest) prompt tokens and the hit rate, in all
+    and per worker that looked any up; the router's prefills by route (when its /metrics was given)."""
     if before is None or after is None:
         return None
-    queried, hits = int(after["queries"] - before["queries"]), int(after["hits"] - before["hits"])
-    return {"queried_tokens": queried, "cached_tokens": hits, "computed_tokens": queried - hits,
-            "hit_rate": 100.0 * hits / queried if queried else 0.0}
+    out = _hits(int(after["queries"] - before["queries"]), int(after["hits"] - before["hits"]))
+    workers = {}
+    for w, a in sorted(after.get("workers", {}).items()):
+        b = before.get("workers", {}).get(w, {"queries": 0.0, "hits": 0.0})
+        if a["queries"] > b["queries"]:
+            workers[w] = _hits(int(a["queries"] - b["queries"]), int(a["hits"] - b["hits"]))
+    routes = {r: int(n - before.get("routes", {}).get(r, 0.0)) for r, n in sorted(after.get("routes", {}).items())}
+    return {**out, "workers": workers, "routes": {r: n for r, n in routes.items() if n}}
 
 
 # ---- the printed report ------------------------------------------------------------------------------------------
@@ -273,5 +300,9 @@ def render(m: dict, spec: dict | None, max_concurrency: int | None, request_rate
             row("Worker cached tokens:", c["cached_tokens"])
             row("Worker computed tokens:", c["computed_tokens"])
             row("Worker cache hit rate (%):", c["hit_rate"], "{:<10.2f}")
+            for w, wc in c.get("workers", {}).items():
+                row(f"  {w} hit rate (%):", wc["hit_rate"], "{:<10.2f}")
+            if c.get("routes"):
+                row("Router prefills by route:", ", ".join(f"{r} {n}" for r, n in c["routes"].items()))
     lines.append("=" * 50)
     return "\n".join(lines)
