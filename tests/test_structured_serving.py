@@ -6,7 +6,8 @@ required and named tool calls validate against the tool's parameters, streamed a
 prefill worker samples the first token under the grammar and the decode worker's matcher continues after it. The
 colocated k = 2 cluster has two decode workers and --decode-failover: constrained streams whose decode worker is
 killed mid-answer continue on the other one, their matcher advanced over the tokens already produced, and still
-validate (greedy: the uninterrupted answer exactly). Bad constraints are a 400 / INVALID_ARGUMENT with the parser's
+validate (greedy: the uninterrupted answer exactly); in every combination, gRPC's `resumed_tokens` (what failover
+sends) continues an answer the prompt ends with. Bad constraints are a 400 / INVALID_ARGUMENT with the parser's
 message before the request takes a seat. Each test sends its requests at once (one batch: the suite's time)."""
 
 import json
@@ -192,6 +193,29 @@ def test_named_and_required_tool_calls_validate(served):
         name, args = calls[0]
         assert name == "add" if isinstance(choice, dict) else name in params
         jsonschema.validate(args, params[name])
+
+
+def test_resumed_tokens_continue_an_answer(served):
+    """gRPC's `resumed_tokens` (what decode failover sends): a prompt that ends with the first m tokens of a
+    constrained answer continues it, the workers' matchers (disaggregated: the prefill worker's and the decode
+    worker's) started after them, to the greedy answer's exact rest; more of them than the prompt holds is
+    INVALID_ARGUMENT."""
+    cluster, _ = served
+    prompt, so = [5, 6, 7, 8], dict(json=json.dumps(SCHEMA), disable_any_whitespace=True)
+
+    def tokens(ids, m, max_tokens):
+        p = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                           structured_outputs=StructuredOutputs(**so, resumed_tokens=m))
+        return [t for r in cluster.client.generate(ids, p, timeout=60) for t in r.token_ids]
+
+    full = tokens(prompt, 0, 48)
+    cuts = (1, len(full) // 2)
+    rests = together(*[lambda m=m: tokens(prompt + full[:m], m, 48 - m) for m in cuts])
+    for m, rest in zip(cuts, rests):
+        assert full[:m] + rest == full, m
+    with pytest.raises(grpc.RpcError) as e:
+        tokens(prompt, len(prompt) + 1, 4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the prompt" in e.value.details()
 
 
 def test_bad_constraints_are_refused(served):
