@@ -144,10 +144,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.Prefill
         if self.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
         try:
-            params = sampling_from_proto(request.sampling)
-            matcher = self.engine.grammar_matcher(params)  # compiled here, off the engine thread
-            seq = self.loop.call(lambda e: e.reserve(request.request_id, list(request.prompt_token_ids), params,
-                                                     matcher))
+            params, prompt = sampling_from_proto(request.sampling), list(request.prompt_token_ids)
+            matcher = self.engine.grammar_matcher(params, prompt)  # compiled here, off the engine thread
+            seq = self.loop.call(lambda e: e.reserve(request.request_id, prompt, params, matcher))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if seq is None:

@@ -78,7 +78,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         try:
             params = sampling_from_proto(request.sampling)
-            matcher = self.engine.grammar_matcher(params)  # compiled here, off the engine thread
+            matcher = self.engine.grammar_matcher(params, prompt)  # compiled here, off the engine thread
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         done: Future = Future()

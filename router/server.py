@@ -291,18 +291,22 @@ class Router(router_pb2_grpc.TandemServicer):
                     self.decode.placed(state.decode, state.route, prompt + generated)  # the next turn's prefix
                     return
                 except grpc.RpcError as e:
-                    # (not under a grammar: a new worker's matcher would start again at the generated tokens)
                     if not (self.failover and e.code() == grpc.StatusCode.UNAVAILABLE and not state.aborted
-                            and context.is_active() and params.structured_outputs is None):
+                            and context.is_active()):
                         raise
                     # decode failover: the worker died mid-stream. Prefill prompt + what was generated elsewhere
-                    # and continue there; the next greedy token is the one the dead worker would have produced
+                    # and continue there; the next greedy token is the one the dead worker would have produced.
+                    # A constrained request's new matcher starts after the generated tokens.
                     log.warning("decode worker %s failed for %s after %d tokens; failing over", state.decode.address,
                                 rid, n)
                     state.decode.healthy = False
                     self._release_decode(state, abort=False)
+                    so = params.structured_outputs
+                    if so is not None:
+                        so = dataclasses.replace(so, resumed_tokens=len(generated))
                     rest = dataclasses.replace(params, max_tokens=params.max_tokens - n,
-                                               min_tokens=max(0, params.min_tokens - n), prompt_logprobs=None)
+                                               min_tokens=max(0, params.min_tokens - n), prompt_logprobs=None,
+                                               structured_outputs=so)
                     lease, first = self._start(state, prompt + generated, rest, context)
                     if state.closed:
                         self._abort_on([state.decode], rid)

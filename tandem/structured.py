@@ -40,6 +40,9 @@ class StructuredOutputs:
     # the prompt opened the model's thinking: the constraint starts after `</think>` (and the blank lines after
     # it), as vLLM starts a thinking model's grammar once its reasoning parser sees the reasoning end
     after_think: bool = False
+    # decode failover: the prompt's last `resumed_tokens` tokens are the output so far, generated elsewhere under
+    # this constraint (the router re-places the request with them in its prompt); the matcher starts after them
+    resumed_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.json, (dict, bool)):  # a schema as Python values, as vLLM takes it
@@ -53,6 +56,8 @@ class StructuredOutputs:
                              f"got {kinds or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        if not isinstance(self.resumed_tokens, int) or self.resumed_tokens < 0:
+            raise ValueError(f"structured_outputs.resumed_tokens must be >= 0, got {self.resumed_tokens}")
 
 
 def grammar_spec(so: StructuredOutputs) -> str:
@@ -117,8 +122,9 @@ class GrammarCompiler:
                                                    self.eos_ids)
             return self._ll_tokenizer
 
-    def matcher(self, so: StructuredOutputs):
-        """A matcher in its start state; ValueError when the constraint does not compile."""
+    def matcher(self, so: StructuredOutputs, prompt_token_ids: list[int] = ()):
+        """A matcher in its start state, or after the prompt's last `so.resumed_tokens` tokens; ValueError when
+        the constraint does not compile or refuses those tokens."""
         import llguidance as llg
 
         spec = grammar_spec(so)
@@ -126,7 +132,7 @@ class GrammarCompiler:
             template = self._templates.get(spec)
             if template is not None:
                 self._templates.move_to_end(spec)
-                return template.deep_copy()
+                return _resumed(template.deep_copy(), so, prompt_token_ids)
         template = llg.LLMatcher(self._ll(), spec, log_level=0)  # outside the lock: it may take a while
         if template.is_error():
             raise ValueError(f"invalid structured output constraint: {template.get_error()}")
@@ -134,7 +140,19 @@ class GrammarCompiler:
             self._templates[spec] = template
             while len(self._templates) > MAX_CACHED_GRAMMARS:
                 self._templates.popitem(last=False)
-        return template.deep_copy()
+        return _resumed(template.deep_copy(), so, prompt_token_ids)
+
+
+def _resumed(matcher, so: StructuredOutputs, prompt_token_ids):
+    n = so.resumed_tokens
+    if n:
+        if n > len(prompt_token_ids):
+            raise ValueError(f"structured_outputs.resumed_tokens ({n}) exceeds the prompt ({len(prompt_token_ids)} "
+                             "tokens)")
+        if not matcher.consume_tokens(list(prompt_token_ids[-n:])):
+            raise ValueError("structured_outputs: the resumed tokens do not follow the constraint: "
+                             f"{matcher.get_error().splitlines()[0]}")
+    return matcher
 
 
 def _load(model: str | None):

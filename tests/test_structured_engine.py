@@ -147,3 +147,91 @@ def test_after_think_constraint_starts_after_the_reasoning():
     assert _allowed(start, 4096) <= _allowed(after, 4096)  # the constraint's start (and more blank lines)
     assert not m.is_accepting() and m.consume_tokens(tok.tokenize_str('{"ok":true,"n":5,"tag":"red","s":""}'))
     assert m.is_accepting()
+
+
+@pytest.fixture(scope="module")
+def llm_k2():
+    return LLM(TINY, max_num_seqs=8, max_model_len=256, block_size=4,
+               speculative_config={"num_speculative_tokens": 2})
+
+
+def _idle(llm):
+    assert llm.engine.pools.blocks.num_used == 0 and llm.engine.pools.slots.num_used == 0
+
+
+def test_resumed_matcher_continues_the_output(llm_k2):
+    """Decode failover re-places a request with its output so far appended to the prompt (`resumed_tokens`): the
+    new matcher starts after those tokens, so the greedy continuation is the rest of the uninterrupted answer
+    (which a fresh matcher, back at the grammar's start, would not allow). Tokens the grammar refuses, or more of
+    them than the prompt has, are a ValueError before the request takes a seat."""
+    json_so = StructuredOutputs(json=SCHEMA, disable_any_whitespace=True)
+    prompt = llm_k2.tokenizer.encode("The sea is")
+    full = llm_k2.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=48, temperature=0.0,
+                                                                     structured_outputs=json_so))[0].outputs[0]
+    jsonschema.validate(json.loads(full.text), SCHEMA)
+    ids = full.token_ids
+    cuts = [1, len(ids) // 2, len(ids) - 1]
+    resumed = [SamplingParams(max_tokens=48 - m, temperature=0.0,
+                              structured_outputs=StructuredOutputs(json=SCHEMA, disable_any_whitespace=True,
+                                                                   resumed_tokens=m)) for m in cuts]
+    outs = llm_k2.generate([{"prompt_token_ids": prompt + ids[:m]} for m in cuts], resumed)
+    for m, o in zip(cuts, outs):
+        assert ids[:m] + o.outputs[0].token_ids == ids and o.outputs[0].finish_reason == "stop", m
+    for so, words in ((StructuredOutputs(json=SCHEMA, resumed_tokens=len(prompt) + 1), "exceeds the prompt"),
+                      (StructuredOutputs(choice=CHOICES, resumed_tokens=2), "do not follow")):
+        with pytest.raises(ValueError, match=words):
+            llm_k2.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, structured_outputs=so))
+    _idle(llm_k2)
+
+
+def test_min_tokens_yields_to_a_grammar_that_can_only_end(llm_k2):
+    """min_tokens past the grammar's end: once only EOS can follow, EOS is not suppressed and ends the request
+    ("stop", EOS the last token); a grammar that can still go on (more digits) goes on until min_tokens, validly.
+    Greedy and seeded, beside an unconstrained min_tokens request that is held to it."""
+    eos = llm_k2.engine.cfg.eos_token_ids
+    digits = r"[a-c]{2}-\d+"
+    params = [SamplingParams(max_tokens=12, min_tokens=10, temperature=0.0,
+                             structured_outputs=StructuredOutputs(choice=CHOICES)),
+              SamplingParams(max_tokens=12, min_tokens=10, temperature=1.0, seed=5,
+                             structured_outputs=StructuredOutputs(regex=REGEX)),
+              SamplingParams(max_tokens=90, min_tokens=60, temperature=0.0,
+                             structured_outputs=StructuredOutputs(json=SCHEMA, disable_any_whitespace=True)),
+              SamplingParams(max_tokens=12, min_tokens=10, temperature=0.0,
+                             structured_outputs=StructuredOutputs(regex=digits)),
+              SamplingParams(max_tokens=12, min_tokens=10, temperature=0.0)]
+    outs = [o.outputs[0] for o in llm_k2.generate(PROMPTS, params)]
+    assert outs[0].text in CHOICES and re.fullmatch(REGEX, outs[1].text), outs
+    jsonschema.validate(json.loads(outs[2].text), SCHEMA)
+    for o, least in zip(outs[:3], (10, 10, 60)):
+        assert o.finish_reason == "stop" and o.token_ids[-1] in eos and len(o.token_ids) < least, o
+    assert re.fullmatch(digits, outs[3].text) and len(outs[3].token_ids) >= 10, outs[3]
+    assert len(outs[4].token_ids) >= 10
+    _idle(llm_k2)
+
+
+def test_max_tokens_mid_json_ends_with_length(llm_k2):
+    """A schema's answer cut by max_tokens: "length", what came is the start of the object, and the engine goes
+    on serving."""
+    so = StructuredOutputs(json=SCHEMA, disable_any_whitespace=True)
+    out = llm_k2.generate("The sea is", SamplingParams(max_tokens=4, temperature=0.0,
+                                                       structured_outputs=so))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4 and out.text.startswith('{"'), out
+    with pytest.raises(ValueError):
+        json.loads(out.text)
+    _idle(llm_k2)
+
+
+def test_emulated_acceptance_forces_only_drafts_the_grammar_allows():
+    """`emulated_acceptance` (benchmark mode) takes drafts whatever the target samples, but a constrained
+    request's only as far as its grammar allows them: every answer still validates, and drafts are still forced
+    (acceptance above what the same batch gets without emulation)."""
+    rates = {}
+    for emulated in (None, (1.0, 1.0)):
+        llm = LLM(TINY, max_num_seqs=8, max_model_len=256, block_size=4, emulated_acceptance=emulated,
+                  speculative_config={"num_speculative_tokens": 2})
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS[:4], _params()[:4])]
+        _check_answers(outs)
+        _idle(llm)
+        stats = llm.engine.spec_stats
+        rates[emulated] = stats.num_accepted_tokens / stats.num_draft_tokens
+    assert rates[(1.0, 1.0)] > rates[None], rates

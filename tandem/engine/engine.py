@@ -299,14 +299,15 @@ class Engine:
         self.masks.warm_up(self.ecfg.device)  # the first constrained step compiles nothing either
         log.info("prefill kernels warmed up in %.1f s", time.monotonic() - t0)
 
-    def grammar_matcher(self, params: SamplingParams):
-        """A request's structured-output matcher (None when it has no constraint); ValueError for a constraint
-        that does not compile. Thread-safe: workers call it in their RPC threads, off the engine thread."""
+    def grammar_matcher(self, params: SamplingParams, prompt_token_ids: list[int]):
+        """A request's structured-output matcher (None when it has no constraint), past the prompt's resumed
+        output tokens (decode failover); ValueError for a constraint that does not compile or refuses them.
+        Thread-safe: workers call it in their RPC threads, off the engine thread."""
         if params.structured_outputs is None:
             return None
         if self.grammars is None:
             raise ValueError("structured outputs are not available here: the engine has no tokenizer")
-        return self.grammars.matcher(params.structured_outputs)
+        return self.grammars.matcher(params.structured_outputs, prompt_token_ids)
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       matcher) -> Sequence:
@@ -316,7 +317,7 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
         if matcher is None:
-            matcher = self.grammar_matcher(params)
+            matcher = self.grammar_matcher(params, prompt_token_ids)
         return Sequence(request_id, list(prompt_token_ids), params, eos_ids=list(self.cfg.eos_token_ids),
                         matcher=matcher)
 
@@ -441,10 +442,17 @@ class Engine:
         """Emulated acceptance, decided before the step (so the graph path uploads it with the step's inputs): per
         request and draft, whether the draft is taken whatever the target samples. One draw per draft, request by
         request, whether or not an earlier rejection makes it moot: each position is still accepted with its rate
-        given the ones before it."""
-        rates = self.ecfg.emulated_acceptance
-        return [[rates is not None and self._emulation_rng.random() < rates[j] for j in range(len(c.seq.drafts))]
-                for c in chunks]
+        given the ones before it. A constrained request's drafts are forced only as far as its grammar allows them
+        (`validate_tokens`: the longest valid prefix), so it never emits a token its grammar forbids."""
+        rates, out = self.ecfg.emulated_acceptance, []
+        for c in chunks:
+            drafts = c.seq.drafts
+            forced = [rates is not None and self._emulation_rng.random() < rates[j] for j in range(len(drafts))]
+            if c.seq.matcher is not None and any(forced):
+                valid = c.seq.matcher.validate_tokens(drafts)
+                forced = [f and j < valid for j, f in enumerate(forced)]
+            out.append(forced)
+        return out
 
     @traced
     def _prefilled(self, chunks, hidden: torch.Tensor, qsl: list[int], todo: "_Drafts") -> list[Sequence]:
@@ -591,8 +599,9 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in seq.eos_ids):
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in seq.eos_ids):
+            # a grammar that was complete (nothing but EOS could follow) ends the request before min_tokens
+            if len(seq.output_token_ids) >= p.min_tokens or (seq.matcher is not None and seq.matcher.is_stopped()):
                 return "stop"
         if len(seq.output_token_ids) >= p.max_tokens:
             return "length"

@@ -42,7 +42,7 @@ class GrammarMasks:
         targets, plain, drafted, at = [], [], [], 0
         for first, matcher, drafts in rows:
             targets.extend(range(first, first + len(drafts) + 1))
-            if matcher.is_error():  # a token it refused was forced (emulated acceptance): it may only end
+            if matcher.is_error():  # it refused a token (none should reach it: each passed its mask): it may only end
                 host[at : at + len(drafts) + 1] = self.eos_only
             elif drafts:
                 drafted.append((matcher, at, list(drafts)))

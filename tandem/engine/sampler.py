@@ -1,6 +1,7 @@
 """Token sampling for a batch of requests, each with its own SamplingParams.
 
-Order (as vLLM): penalties on the raw logits -> min_tokens mask -> temperature -> top-k / top-p / min-p -> draw.
+Order (as vLLM): penalties on the raw logits -> min_tokens mask (unless only stop tokens are left: a grammar that
+can only end) -> temperature -> top-k / top-p / min-p -> draw.
 Draws use the exponential-race trick (argmax p / E, E ~ Exp(1)), so a seeded request takes its noise from its own
 generator and gets the same tokens whatever else is in the batch. Logprobs are of the unmodified model distribution.
 Nothing here waits for the device except the logprobs (read on the host): per-request values go up by non-blocking
@@ -47,7 +48,10 @@ def _penalised(logits: torch.Tensor, seqs) -> torch.Tensor:
     for i in masked:
         s = seqs[i]
         stops = _upload(s.params.stop_token_ids + ([] if s.params.ignore_eos else s.eos_ids), torch.long, logits.device)
-        logits[i].index_fill_(0, stops, float("-inf"))
+        kept = logits[i].index_fill(0, stops, float("-inf"))
+        # a row left with nothing but stop tokens (a grammar that can only end) keeps them: min_tokens never asks
+        # for a token its grammar forbids (decided on the device: no wait)
+        logits[i] = torch.where(kept.amax() > float("-inf"), kept, logits[i])
     return logits
 
 

@@ -54,11 +54,12 @@ def structured_from_proto(m: common_pb2.StructuredOutputs) -> StructuredOutputs:
         raise ValueError("structured_outputs: set one of json, json_object, regex, choice, grammar")
     value = list(m.choice.choices) if kind == "choice" else getattr(m, kind)
     return StructuredOutputs(**{kind: value}, disable_any_whitespace=m.disable_any_whitespace,
-                             after_think=m.after_think)
+                             after_think=m.after_think, resumed_tokens=m.resumed_tokens)
 
 
 def structured_to_proto(so: StructuredOutputs) -> common_pb2.StructuredOutputs:
-    m = common_pb2.StructuredOutputs(disable_any_whitespace=so.disable_any_whitespace, after_think=so.after_think)
+    m = common_pb2.StructuredOutputs(disable_any_whitespace=so.disable_any_whitespace, after_think=so.after_think,
+                                     resumed_tokens=so.resumed_tokens)
     if so.choice is not None:
         m.choice.choices.extend(so.choice)
     elif so.json_object:
