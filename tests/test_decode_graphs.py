@@ -17,9 +17,10 @@ PROMPTS = ["Hello, how are you?", "Write a poem about the sea.", "What is 2+2?",
 
 def _run(cuda_graphs, k, params, device="cpu", dtype="float32", model=TINY, prompts=PROMPTS, max_num_seqs=8,
          emulated_acceptance=None, outputs=False):
+    # sized, not profiled on a GPU: each engine of a process would take 0.9 of the device's memory
     llm = LLM(model=model, max_num_seqs=max_num_seqs, max_model_len=256, device=device, dtype=dtype,
-              cuda_graphs=cuda_graphs, speculative_config={"num_speculative_tokens": k} if k else None,
-              emulated_acceptance=emulated_acceptance)
+              kv_cache_memory_bytes=1 << 28, cuda_graphs=cuda_graphs,
+              speculative_config={"num_speculative_tokens": k} if k else None, emulated_acceptance=emulated_acceptance)
     outs = llm.generate(prompts, params)
     if outputs:
         return [o.outputs[0] for o in outs]
@@ -144,7 +145,7 @@ def test_graph_verify_step_waits_for_the_device_once():
     """torch's sync debug mode counts the host syncs of each pure decode step (k = 2, CUDA graphs) with greedy,
     seeded top-p, penalised and min_tokens requests in one batch: one, the read of tokens, acceptance and drafts."""
     llm = LLM(model=TINY, max_num_seqs=8, max_model_len=256, device="cuda", cuda_graphs=True,
-              speculative_config={"num_speculative_tokens": 2})
+              kv_cache_memory_bytes=1 << 28, speculative_config={"num_speculative_tokens": 2})
     engine = llm.engine
     engine.capture_graphs()  # capturing a bucket on first use synchronises
     params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),

@@ -282,7 +282,7 @@ def step_kernels(cfg, model, rows: int) -> int:
     """Kernels of one forward of `rows` new rows of a single request (rows 1: a decode step at batch 1)."""
     dtype = model.model.embed_tokens.weight.dtype
     eng = Engine(cfg, model, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=128, device="cuda",
-                                          dtype=dtype))
+                                          dtype=dtype, kv_cache_memory_bytes=1 << 28))
     (p,) = prompts([9])
     seq = admitted(eng, "a", p)
     eng.runner.run([ScheduledChunk(seq, 9)])
@@ -309,7 +309,8 @@ def test_fused_model_equals_unfused_on_gpu(name):
     ps = prompts([1, 7, 19, 33])
 
     def logits(m):
-        eng = Engine(cfg, m, EngineConfig(block_size=4, max_num_seqs=8, max_model_len=128, device="cuda"))
+        eng = Engine(cfg, m, EngineConfig(block_size=4, max_num_seqs=8, max_model_len=128, device="cuda",
+                                          kv_cache_memory_bytes=1 << 28))
         seqs = [admitted(eng, str(i), p) for i, p in enumerate(ps)]
         out = [eng.runner.run([ScheduledChunk(s, len(p)) for s, p in zip(seqs, ps)], all_rows=True)]
         for s in seqs:

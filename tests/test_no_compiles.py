@@ -44,7 +44,7 @@ def test_no_kernel_compiles_after_warm_up(name):
     model = random_model(cfg, "cuda", torch.bfloat16, seed=0)
     eng = Engine(cfg, model, EngineConfig(block_size=16, max_num_seqs=16, max_model_len=1024,
                                           max_num_batched_tokens=256, num_speculative_tokens=2, device="cuda",
-                                          dtype="bfloat16"))
+                                          dtype="bfloat16", kv_cache_memory_bytes=4 << 30))
     eng.warm_up()
     eng.capture_graphs()
     compiled = []

@@ -103,14 +103,13 @@ def complete(client, stream: bool, **kw):
     return text, reason
 
 
+@pytest.mark.parametrize("served", [FAILOVER], indirect=True, ids=lambda p: f"{p[0]}-k{p[1]}")
 def test_constrained_streams_survive_decode_failover(served, capsys):
     """A decode worker killed while it streams constrained answers: each of its streams is re-placed on the other
     worker with the answer so far in the prompt, its matcher advanced over it, so every answer still validates
     and a greedy one equals the same request's uninterrupted answer. First of its cluster's tests: the killed
     worker restarts while the others run (the last one checks that everything is healthy and free again)."""
     cluster, _ = served
-    if cluster.combination != FAILOVER:
-        pytest.skip("decode failover is tested on the colocated k = 2 cluster (two decode workers)")
     so = StructuredOutputs(json=LONG, disable_any_whitespace=True)
     params = [SamplingParams(max_tokens=120, temperature=0.0, structured_outputs=so)] * 4 + [
         SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured_outputs=so) for s in (1, 2)]
