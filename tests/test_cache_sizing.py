@@ -47,16 +47,30 @@ def per_snapshot() -> int:
 
 def test_budget_fills_slots_first_then_blocks(caplog):
     blk, slot = per_block_and_slot()
-    budget = 8 * slot + 100 * blk + blk // 2
+    per_request = slot + 16 * blk  # a slot and one 64-token (max_model_len) request's blocks
+    budget = 7 * per_request + slot + 3 * blk + blk // 2  # seven slots' worth with their blocks, and change
     with caplog.at_level(logging.INFO, logger="tandem.cache.sizing"):
         eng = engine(max_num_seqs=6, kv_cache_memory_bytes=budget, enable_prefix_caching=False)
-    # six slots (+ the null slot) as max_num_seqs asks, the rest in blocks: 8 slots' bytes - 7 = one slot more
+    # six slots (+ the null slot) as max_num_seqs asks, every other byte in blocks
     assert eng.ecfg.num_state_slots == 6 and eng.ecfg.max_num_seqs == 6
-    assert eng.ecfg.num_kv_blocks == 100 + slot // blk
+    assert eng.ecfg.num_kv_blocks == (budget - 7 * slot) // blk
     assert budget - blk < pool_bytes(eng) <= budget
     tokens = (eng.ecfg.num_kv_blocks - 1) * 4
     assert (f"KV cache: {tokens} tokens; state slots: 6; prefix-cache state snapshots: 0; maximum concurrency at "
             "max_model_len (64): ") in caplog.text
+
+
+def test_each_slot_keeps_blocks_for_its_request(caplog):
+    """A budget of 30 slots' bytes and max_num_seqs 64: the slots are only as many as fit each beside the blocks
+    of a max_model_len (here shorter than KV_TOKENS_PER_SLOT) request, not 26 with the blocks of one."""
+    blk, slot = per_block_and_slot()
+    budget = 30 * slot
+    with caplog.at_level(logging.WARNING, logger="tandem.cache.sizing"):
+        eng = engine(max_num_seqs=64, kv_cache_memory_bytes=budget, enable_prefix_caching=False)
+    slots = eng.ecfg.num_state_slots
+    assert slots == budget // (slot + 16 * blk) - 1 and eng.ecfg.max_num_seqs == slots
+    assert eng.ecfg.num_kv_blocks - 1 >= 16 * slots
+    assert f"max_num_seqs lowered from 64 to {slots}" in caplog.text
 
 
 def test_prefix_caching_gives_snapshots_a_tenth_of_what_the_slots_leave():
@@ -75,7 +89,10 @@ def test_prefix_caching_gives_snapshots_a_tenth_of_what_the_slots_leave():
     assert tight.ecfg.num_state_snapshots == 0 and tight.scheduler.prefix is None
 
 
-def test_slots_are_capped_to_leave_one_max_length_request_its_blocks(caplog):
+def test_slots_are_capped_to_leave_one_max_length_request_its_blocks(caplog, monkeypatch):
+    from tandem.cache import sizing
+
+    monkeypatch.setattr(sizing, "KV_TOKENS_PER_SLOT", 4)  # slots of short requests, beside one long one
     blk, slot = per_block_and_slot()
     budget = 17 * blk + 4 * slot  # one 64-token request (16 blocks + the null block) and 3 slots + the null slot
     with caplog.at_level(logging.WARNING, logger="tandem.cache.sizing"):

@@ -4,10 +4,11 @@ A KV block holds K and V of `block_size` tokens in every full-attention layer (a
 model has one); a state slot holds every GDN layer's conv and recurrent states and its two pending buffers of
 k + 1 rows. Under tensor parallelism these are one rank's heads, and the budget is one device's.
 
-The split: state slots first, one per running request up to `max_num_seqs`, but never so many that the blocks
-left cannot hold one `max_model_len` request; every remaining byte goes to KV blocks. Slots bound how many
-requests run at once (`max_num_seqs` is lowered to them, with a log line); blocks bound how many tokens they
-hold together. A budget that cannot hold one max-length request and one slot is refused, with what it has and
+The split: state slots first, one per running request up to `max_num_seqs`, as many as fit each beside the
+blocks of KV_TOKENS_PER_SLOT tokens (or of max_model_len, when shorter), and never so many that the blocks left
+cannot hold one `max_model_len` request; every remaining byte goes to KV blocks. Slots bound how many requests
+run at once (`max_num_seqs` is lowered to them, with a log line); blocks bound how many tokens they hold
+together. A budget that cannot hold one max-length request and one slot is refused, with what it has and
 what it needs.
 
 With prefix caching on, GDN state snapshots (every GDN layer's conv and recurrent state, without pending
@@ -25,6 +26,9 @@ from tandem.ops.gdn import pending_width
 log = logging.getLogger(__name__)
 GIB = 1 << 30
 PREFIX_STATE_SHARE = 0.1  # of the budget after the state slots, for prefix-cache state snapshots
+# a slot is worth its bytes only beside blocks for its request: on the 35B-A3B a slot (~66 MB) outweighs the KV
+# of 2048 tokens (~46 MB), and slots alone could take a small budget whole
+KV_TOKENS_PER_SLOT = 2048
 
 
 def kv_block_bytes(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, tp_size: int = 1) -> int:
@@ -57,9 +61,13 @@ def cache_bytes(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, tp_size: i
 
 
 def slots_that_fit(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, budget: int, tp_size: int = 1) -> int:
-    """The state slots `budget` bytes hold beside one max_model_len request's KV blocks (and the null slot)."""
-    blocks = (ecfg.blocks_per_seq + 1) * kv_block_bytes(cfg, ecfg, with_mtp, tp_size)
-    return (budget - blocks) // state_slot_bytes(cfg, ecfg, tp_size) - 1
+    """The state slots `budget` bytes hold (module docstring): each beside the blocks of KV_TOKENS_PER_SLOT tokens
+    (max_model_len when shorter), and never so many that the blocks left cannot hold one max_model_len request;
+    one slot whenever that request fits."""
+    blk, slot = kv_block_bytes(cfg, ecfg, with_mtp, tp_size), state_slot_bytes(cfg, ecfg, tp_size)
+    beside_one = (budget - (ecfg.blocks_per_seq + 1) * blk) // slot - 1  # - the null slot
+    with_blocks = budget // (slot + -(-min(KV_TOKENS_PER_SLOT, ecfg.max_model_len) // ecfg.block_size) * blk) - 1
+    return min(beside_one, max(1, with_blocks))
 
 
 def size_caches(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, budget: int, tp_size: int = 1) -> None:
@@ -75,8 +83,8 @@ def size_caches(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, budget: in
                           f"memory, or lower max_model_len (the largest that fits is {fits})")
     slots = ecfg.num_state_slots or min(ecfg.max_num_seqs, slots_that_fit(cfg, ecfg, with_mtp, budget, tp_size))
     if slots < ecfg.max_num_seqs:
-        log.warning("max_num_seqs lowered from %d to %d: the state slots that fit beside one max_model_len "
-                    "request's KV blocks", ecfg.max_num_seqs, slots)
+        log.warning("max_num_seqs lowered from %d to %d: the state slots that fit beside their requests' KV "
+                    "blocks (tandem/cache/sizing.py)", ecfg.max_num_seqs, slots)
         ecfg.max_num_seqs = slots
     ecfg.num_state_slots = slots
     rest = budget - (slots + 1) * slot
