@@ -62,6 +62,14 @@ class StepShape:
         return "prefill"
 
 
+def _free_memory(dev) -> int:
+    """The device's free bytes once its work is done and torch's cache is given back (eager warm-ups before a
+    capture leave cached blocks that are no graph's memory)."""
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(dev)[0]
+
+
 class _Drafts:
     """What the MTP head runs after a step: (sequence, first position, tokens) items, their rows of the step's
     hidden states, and whether each drafts (a mid-prompt chunk only fills the head's KV)."""
@@ -215,15 +223,10 @@ class Engine:
 
     def _graph_bytes(self, dev, make, **capture) -> int:
         """The device memory of the graphs `make()` builds (on the probe's pools) once captured; freed again."""
-        def free() -> int:
-            torch.cuda.synchronize(dev)
-            torch.cuda.empty_cache()  # the captures' eager warm-ups are not the graphs' memory
-            return torch.cuda.mem_get_info(dev)[0]
-
-        start, reserved = free(), torch.cuda.memory_reserved(dev)
+        start, reserved = _free_memory(dev), torch.cuda.memory_reserved(dev)
         graphs = make()
         graphs.capture_all(**capture)
-        used = start - free()
+        used = start - _free_memory(dev)
         log.info("memory profile: %s hold %.2f GiB (%.2f GiB reserved by torch)", type(graphs).__name__, used / GIB,
                  (torch.cuda.memory_reserved(dev) - reserved) / GIB)
         del graphs
@@ -238,9 +241,9 @@ class Engine:
         for graphs, what in ((self.runner.prefill_graphs, "prefill CUDA graphs for token counts"),
                              (self.graphs, "decode CUDA graphs for batch sizes")):
             if graphs is not None and graphs.capture:
-                t0, free0 = time.monotonic(), torch.cuda.mem_get_info(self.ecfg.device)[0]
+                t0, free0 = time.monotonic(), _free_memory(self.ecfg.device)
                 graphs.capture_all()
-                free, total = torch.cuda.mem_get_info(self.ecfg.device)
+                free, total = _free_memory(self.ecfg.device), torch.cuda.mem_get_info(self.ecfg.device)[1]
                 # what they hold was set aside when the caches were sized (`_profiled_budget`)
                 log.info("captured %s %s in %.1f s: they hold %.2f GiB; %.2f GiB of %.2f GiB left free", what,
                          graphs.buckets, time.monotonic() - t0, (free0 - free) / GIB, free / GIB, total / GIB)
