@@ -4,7 +4,7 @@
 #
 #     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [mixed] [fp8] [serve] [pd]
 #         [gap] [tp] [long]
-#     (no argument: tests step serve pd; tp needs two GPUs; long: LONG_LEN (262144) and LONG_C (256) at UTIL (0.9))
+#     (no argument: tests step serve pd; tp needs two GPUs; long: LONG_LEN (262144), c = 32 and LONG_C (256) at UTIL (0.9))
 #     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; STEP: step.py's arguments;
 #     OPS_ROWS: prefill_ops.py --rows; MIXED_BUDGETS: the step budgets of the mixed part (default "2048 8192");
 #     SERVE_FLAGS: more `tandem serve` flags of the colocated runs, TAG: a suffix of their result names;
@@ -228,7 +228,8 @@ print(f'[gap] engine alone {alone:.1f} tok/s, served {served:.1f} tok/s: {served
         timeout 900 python3 benchmarks/handoff.py --model $MODEL --dtype $DTYPE --transfer-backend torch_distributed \
             --ceiling-gbs 0 > "$OUT/handoff-nccl.txt" 2>&1
         cat "$OUT/handoff-nccl.txt" | tail -12 ;;
-    long)  # caches from memory at the model's full context: capacity, one prompt of that length, then LONG_C at once
+    long)  # caches from memory at the model's full context: capacity, one prompt of that length, issue 6's load, then
+        # LONG_C at once
         len=${LONG_LEN:-262144}; wide=${LONG_C:-256}; name=long_$len
         case $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) in *H100*) bw=3350 ;; *) bw=4250 ;; esac
         python3 -m tandem.cli serve --port 50051 --http-port 0 --metrics-port 0 --model $MODEL --dtype $DTYPE \
@@ -242,12 +243,16 @@ print(f'[gap] engine alone {alone:.1f} tok/s, served {served:.1f} tok/s: {served
             sed "s/^/[$name] /" "$OUT/$name.txt" | tail -4
             metrics=$(grep -o 'metrics=[^ ]*' "$OUT/$name.serve.log" | cut -d= -f2 | tr ',' '\n' | tail -n +2 \
                 | sed 's|.*|http://&/metrics|' | paste -sd,)
-            timeout 300 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
-                --metrics-url "$metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "${name}_c$wide.json" \
-                --model $MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len ${LONG_OUT:-128} \
-                --ignore-eos --max-concurrency $wide --num-prompts $((2 * wide)) --num-warmups 2 > "$OUT/${name}_c$wide.txt" 2>&1
-            grep -E "Maximum request concurrency|Output token throughput|Total token throughput|Mean TPOT|Mean TTFT|P99 TTFT|Acceptance length|preempt" \
-                "$OUT/${name}_c$wide.txt" | sed "s/^/[${name}_c$wide] /"
+            # issue 6's load (c = 32, 1024 in / 256 out), then LONG_C requests at once (1024 in / LONG_OUT out)
+            for load in "32 $OUT_LEN $PROMPTS" "$wide ${LONG_OUT:-128} $((2 * wide))"; do
+                set -- $load
+                timeout 300 python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
+                    --metrics-url "$metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "${name}_c$1.json" \
+                    --model $MODEL --dataset-name random --random-input-len $IN_LEN --random-output-len $2 \
+                    --ignore-eos --max-concurrency $1 --num-prompts $3 --num-warmups 2 > "$OUT/${name}_c$1.txt" 2>&1
+                grep -E "Maximum request concurrency|Output token throughput|Total token throughput|Mean TPOT|Mean TTFT|P99 TTFT|Acceptance length|preempt" \
+                    "$OUT/${name}_c$1.txt" | sed "s/^/[${name}_c$1] /"
+            done
             for url in ${metrics//,/ }; do python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], \
                 timeout=10).read().decode())" "$url"; done 2>&1 | grep -E "^tandem:(num_preemptions_total|cache_config_info|kv_cache_usage)" \
                 | sed "s/^/[$name] /"
