@@ -3,8 +3,9 @@
 # serving benchmarks, each writing its full output under $OUT (default ./h200-out) and printing a short summary.
 #
 #     OUT=/some/dir bash benchmarks/h200_session.sh [tests] [step] [ops] [profile] [mixed] [fp8] [serve] [pd]
-#         [gap] [tp] [long]
-#     (no argument: tests step serve pd; tp needs two GPUs; long: LONG_LEN (262144), c = 32 and LONG_C (256) at UTIL (0.9))
+#         [gap] [tp] [long] [published]
+#     (no argument: tests step serve pd; tp needs two GPUs; long: LONG_LEN (262144), c = 32 and LONG_C (256) at UTIL (0.9);
+#     published: issue 51's ShareGPT and random workloads, from $SHAREGPT (benchmarks/sharegpt_extract.py))
 #     (environment: MODEL, PD_MODEL, DTYPE, IN_LEN, OUT_LEN, PROMPTS, SWEEP, KS; STEP: step.py's arguments;
 #     OPS_ROWS: prefill_ops.py --rows; MIXED_BUDGETS: the step budgets of the mixed part (default "2048 8192");
 #     SERVE_FLAGS: more `tandem serve` flags of the colocated runs, TAG: a suffix of their result names;
@@ -38,6 +39,8 @@ IN_LEN=${IN_LEN:-1024}; OUT_LEN=${OUT_LEN:-256}; PROMPTS=${PROMPTS:-128}; SWEEP=
 KS=${KS:-0 2}                          # speculative tokens of the colocated serving runs
 STEP=${STEP:---batch-sizes 1,8,32 --k 0,2 --prompt-len 256 --steps 20 --prefill 8x2048,32x256 --hf-peer}
 PARTS=${*:-tests step serve pd}
+SHAREGPT=${SHAREGPT:-sharegpt-1000.json}  # the published part's ShareGPT extract, and its checksum
+SHAREGPT_SHA256=e1af2860e4756f44cfef259ad9863fa5996987c86bcee3eada578b5b83e9359a
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null
 # an 80 GB card (an H100 standing in for the H200) ran out of memory in the FP8 step benchmark with 32 GiB cached
 # but unusable: there, the caching allocator grows segments instead of keeping fixed ones
@@ -122,7 +125,7 @@ serve_bench() {  # name, serve flags..., -- , bench flags...
         timeout 400 "${client[@]}" python3 -m tandem.cli bench serve --backend grpc --address 127.0.0.1:50051 \
             --metrics-url "$metrics" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$name.json" \
             "${bench[@]}" > "$OUT/$name.txt" 2>&1
-        grep -E "Maximum request concurrency|Output token throughput|Mean TPOT|Mean TTFT|Acceptance length|Engine busy|steps:|mean \(ms\)|prompt tokens" \
+        grep -E "Maximum request concurrency|Output token throughput|Total token throughput|Mean TPOT|P95 TPOT|Mean TTFT|P95 TTFT|Acceptance length|Engine busy|steps:|mean \(ms\)|prompt tokens" \
             "$OUT/$name.txt" | sed "s/^/[$name] /"
         # the step-time histograms (a few slow steps or all of them?), and the steps the worker logged as slow
         for url in ${metrics//,/ }; do python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], \
@@ -260,6 +263,22 @@ print(f'[gap] engine alone {alone:.1f} tok/s, served {served:.1f} tok/s: {served
             echo "[$name] the server did not come up"; grep -vE "^\s*$" "$OUT/$name.serve.log" | tail -8
         fi
         kill -TERM $pid 2>/dev/null; sleep 5; kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null ;;
-    *) echo "unknown part $part (tests, step, ops, profile, mixed, fp8, serve, pd, tp, long)"; exit 2 ;;
+    published)  # issue 51: vLLM's published H200 workloads for this model, k = 0, at the checkpoint's context
+        # (ShareGPT from the extract benchmarks/sharegpt_extract.py writes, carried with the tree)
+        if ! echo "$SHAREGPT_SHA256  $SHAREGPT" | sha256sum -c --quiet - ; then
+            echo "[published] $SHAREGPT is missing or not the extract: python benchmarks/sharegpt_extract.py --out $SHAREGPT"
+            continue
+        fi
+        pct=(--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,95,99)
+        serve_bench "published_sharegpt_inf" --model $MODEL --dtype $DTYPE --prefill-workers 0 --max-num-seqs 512 \
+            ${SERVE_FLAGS:-} -- --model $MODEL --dataset-name sharegpt --dataset-path "$SHAREGPT" --num-prompts 1000 \
+            --request-rate inf --max-concurrency 512 --num-warmups 2 "${pct[@]}"
+        serve_bench "published_random" --model $MODEL --dtype $DTYPE --prefill-workers 0 --max-num-seqs 512 \
+            ${SERVE_FLAGS:-} -- --model $MODEL --dataset-name random --random-input-len 1024 --random-output-len 128 \
+            --ignore-eos --num-prompts 1000 --request-rate inf --num-warmups 2 "${pct[@]}"
+        serve_bench "published_sharegpt_rate1" --model $MODEL --dtype $DTYPE --prefill-workers 0 ${SERVE_FLAGS:-} -- \
+            --model $MODEL --dataset-name sharegpt --dataset-path "$SHAREGPT" --num-prompts ${RATE1_PROMPTS:-200} \
+            --request-rate 1 --num-warmups 2 "${pct[@]}" ;;
+    *) echo "unknown part $part (tests, step, ops, profile, mixed, fp8, serve, pd, tp, long, published)"; exit 2 ;;
     esac
 done

@@ -213,6 +213,29 @@ def test_sharegpt_sampling(tmp_path):
     assert len(packaged) == 4 and all(isinstance(r.prompt, str) and r.prompt_len <= 1024 for r in packaged)
 
 
+def test_sharegpt_extract_is_what_the_bench_samples(tmp_path):
+    """benchmarks/sharegpt_extract.py writes the conversations the bench samples from the package; sampling the
+    extract gives the same requests (another order), and the printed checksum is the file's."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from tandem.tokenizer import load_tokenizer_for
+
+    out = tmp_path / "extract.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sharegpt_extract.py"), "--num", "30",
+                           "--tokenizer", "qwen3.5-9b", "--out", str(out)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr
+    assert hashlib.sha256(out.read_bytes()).hexdigest() in done.stdout
+    tok = load_tokenizer_for("qwen3.5-9b")
+    def key(reqs):
+        return sorted((r.prompt, r.prompt_len, r.output_len) for r in reqs)
+    assert key(datasets.sample_sharegpt(30, tok, str(out))) == key(datasets.sample_sharegpt(30, tok))
+    assert all(len(c["conversations"]) == 2 for c in json.loads(out.read_text()))
+
+
 # ---- prefix caching: multi-turn and prefix_repetition ---------------------------------------------------------
 class FakeServer:
     """A backend that records every prompt it receives, with when it arrived and when its answer was complete.

@@ -94,16 +94,17 @@ def _json_array_prefix(text: str) -> list:
         out.append(item)
 
 
-def sample_sharegpt(num: int, tokenizer, path: str | None = None, output_len: int | None = None, seed: int = 0,
-                    max_prompt_len: int = 1024, max_total_len: int = 2048) -> list[SampleRequest]:
-    """The first human turn as the prompt and the first reply's length as the output length (or `output_len`),
-    conversations shuffled by `seed`; too short (< 4 tokens) and too long ones dropped, as vLLM's sampler does."""
+def pick_sharegpt(convs: list, num: int, tokenizer, output_len: int | None = None, seed: int = 0,
+                  max_prompt_len: int = 1024, max_total_len: int = 2048) -> list[tuple[dict, int, int]]:
+    """(conversation, prompt tokens, output tokens) of the first `num` usable conversations, shuffled by `seed`:
+    the first human turn is the prompt and the first reply's length the output length (or `output_len`); too
+    short (< 4 tokens) and too long ones are dropped, as vLLM's sampler does."""
     if tokenizer is None:
         raise ValueError("--dataset-name sharegpt needs a tokenizer (--tokenizer: a model directory or a preset "
                          "with the Qwen3.5 vocabulary)")
-    convs = [c for c in load_sharegpt(path) if len(c.get("conversations", [])) >= 2]
+    convs = [c for c in convs if len(c.get("conversations", [])) >= 2]
     order = np.random.default_rng(seed).permutation(len(convs))
-    out: list[SampleRequest] = []
+    out = []
     for k in order:
         turns = convs[k]["conversations"]
         prompt, reply = turns[0].get("value", ""), turns[1].get("value", "")
@@ -111,10 +112,17 @@ def sample_sharegpt(num: int, tokenizer, path: str | None = None, output_len: in
         o_len = output_len or len(tokenizer.encode(reply, add_special_tokens=False))
         if p_len < 4 or (output_len is None and o_len < 4) or p_len > max_prompt_len or p_len + o_len > max_total_len:
             continue
-        out.append(SampleRequest(prompt, p_len, o_len))
+        out.append((convs[k], p_len, o_len))
         if len(out) == num:
             break
     return out
+
+
+def sample_sharegpt(num: int, tokenizer, path: str | None = None, output_len: int | None = None, seed: int = 0,
+                    max_prompt_len: int = 1024, max_total_len: int = 2048) -> list[SampleRequest]:
+    """ShareGPT requests from a file (or the package), as `pick_sharegpt` chooses them."""
+    picked = pick_sharegpt(load_sharegpt(path), num, tokenizer, output_len, seed, max_prompt_len, max_total_len)
+    return [SampleRequest(c["conversations"][0].get("value", ""), p, o) for c, p, o in picked]
 
 
 # ---- multi-turn conversations -------------------------------------------------------------------------------------
