@@ -19,8 +19,9 @@ is on the H200) and loads, stores or updates global memory before it waits for t
 layers, a 1024-token vocabulary: the kernels' variants do not depend on either). An engine warms up as a worker does
 (`Engine.warm_up`, then each decode and prefill graph bucket run once, as capturing them runs them), then serves a
 continuous-batching workload; every variant compiled after the warm-up is printed, and the exit status is 1 if
-there is one (a served step would have waited on that compile). Kernel outputs are never computed, so the tokens
-are arbitrary; what decides the variants -- shapes, row counts, strides, dtypes -- is what serving gives them.
+there is one (a served step would have waited on that compile). Kernel outputs and the dense projections are never
+computed, so the tokens are arbitrary; what decides the variants -- shapes, row counts, strides, dtypes -- is what
+serving gives them.
 """
 
 from __future__ import annotations
@@ -253,25 +254,28 @@ def compiles_after_warm_up(preset: str, seed: int, prefill_only: bool = False, k
             p.data.copy_(torch.empty_like(p))  # the fill, as building the model under it gave
     with _stacking_without_copies():
         model = model.fuse_projections()
-    eng = Engine(cfg, model,
-                 EngineConfig(block_size=16, max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=budget,
-                              num_speculative_tokens=k, device="cpu", dtype="bfloat16", cuda_graphs=True),
-                 prefill_only=prefill_only)
-    eng.warm_up()
-    graphs, pieces = eng.graphs, eng.runner.prefill_graphs
-    for B in reversed(graphs.buckets if graphs is not None else []):  # what `capture_graphs` runs before capturing
-        graphs._capture(B)
-        graphs.verify_graphs[B].replay()
-        if graphs.k:
-            graphs.draft_graphs[B].replay()
-    with torch.inference_mode():
-        for n in reversed(pieces.buckets):
-            pieces.model(pieces._static_batch(n), pieces.caches)
-    late = []
-    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: late.append(
-        f"{kw['fn'].name}: constants {kw['compile']['constants']}, signature {kw['compile']['signature']}, "
-        f"attributes {kw['compile']['configs']}")
-    workload(eng, seed=seed)
+    # the projections' outputs are NaN either way (their inputs are kernel outputs, never written), so the
+    # tokens and the schedule are those of computing them
+    with _projections_not_computed():
+        eng = Engine(cfg, model,
+                     EngineConfig(block_size=16, max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=budget,
+                                  num_speculative_tokens=k, device="cpu", dtype="bfloat16", cuda_graphs=True),
+                     prefill_only=prefill_only)
+        eng.warm_up()
+        graphs, pieces = eng.graphs, eng.runner.prefill_graphs
+        for B in reversed(graphs.buckets if graphs is not None else []):  # what `capture_graphs` runs before capturing
+            graphs._capture(B)
+            graphs.verify_graphs[B].replay()
+            if graphs.k:
+                graphs.draft_graphs[B].replay()
+        with torch.inference_mode():
+            for n in reversed(pieces.buckets):
+                pieces.model(pieces._static_batch(n), pieces.caches)
+        late = []
+        triton.knobs.runtime.jit_post_compile_hook = lambda **kw: late.append(
+            f"{kw['fn'].name}: constants {kw['compile']['constants']}, signature {kw['compile']['signature']}, "
+            f"attributes {kw['compile']['configs']}")
+        workload(eng, seed=seed)
     return late
 
 
