@@ -193,14 +193,17 @@ def _stacking_without_copies():
 
 
 @contextlib.contextmanager
-def _projections_not_computed():
+def _projections_not_computed(logits_weight: torch.Tensor | None = None):
     """The projections torch computes (`F.linear`, the dense ones) are most of a forward's CPU time at the real
     shapes, and their outputs, like every tensor here, are only passed to kernels that do not run: no variant
-    depends on their values. They return an uninitialised tensor of the shape, dtype and layout `F.linear` gives."""
+    depends on their values. They return an uninitialised tensor of the shape, dtype and layout `F.linear` gives;
+    the projection by `logits_weight` (the lm_head, whose argmax are the tokens, and so the schedule) gives NaN, as
+    computing it on the hidden states the kernels never write does."""
     linear = F.linear
 
     def uncomputed(x, w, bias=None):
-        return x.new_empty(*x.shape[:-1], w.shape[0])
+        out = x.new_empty(*x.shape[:-1], w.shape[0])
+        return out.fill_(math.nan) if w is logits_weight else out
 
     F.linear = uncomputed
     try:
@@ -241,8 +244,8 @@ def compiles_after_warm_up(preset: str, seed: int, prefill_only: bool = False, k
     hf = PRESETS[preset]
     cfg = ModelConfig.from_hf(dict(hf, num_hidden_layers=LAYERS, vocab_size=min(hf["vocab_size"], 1024)))
     model = build_empty_model(cfg, "cpu", torch.bfloat16, with_mtp=True, fp8=cfg.quantization)
-    # the kernels' outputs are never written: fill fresh tensors (NaN) so every run takes the same schedule; the
-    # experts' weights (only kernels meet them) stay untouched, or they would be resident (8.6 GB at bf16)
+    # the weights torch meets get values (the same each run, NaN-filled where not floating point); the experts'
+    # weights (only kernels meet them) stay untouched, or they would be resident (8.6 GB at bf16)
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     for p in model.parameters():
@@ -254,9 +257,12 @@ def compiles_after_warm_up(preset: str, seed: int, prefill_only: bool = False, k
             p.data.copy_(torch.empty_like(p))  # the fill, as building the model under it gave
     with _stacking_without_copies():
         model = model.fuse_projections()
-    # the projections' outputs are NaN either way (their inputs are kernel outputs, never written), so the
-    # tokens and the schedule are those of computing them
-    with _projections_not_computed():
+    # The kernels' outputs are never written. Only the tokens decide the schedule, and they are the argmax of the
+    # lm_head's output, NaN (the projections' inputs are kernel outputs): so every run takes the same schedule,
+    # that of computing them, while every other fresh tensor stays unfilled (filling them all with NaN was most
+    # of a run's time, and touched every page of them)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    with _projections_not_computed(logits_weight=model.lm_head_weight):
         eng = Engine(cfg, model,
                      EngineConfig(block_size=16, max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=budget,
                                   num_speculative_tokens=k, device="cpu", dtype="bfloat16", cuda_graphs=True),
