@@ -42,8 +42,47 @@ def _round_like_the_gpu():
     interpreter._convert_float = convert
 
 
+def _patch_the_language_once_per_launch():
+    """The interpreter (triton 3.6) patches triton.language -- every builtin, found through inspect.getmembers -- for
+    each launch, and again for each call of a @triton.jit helper inside the kernel: once per program at least,
+    since every kernel here starts with `wait_for_prior_kernels`, and once per row where a loop calls one. That
+    re-patching was a large part of an interpreted kernel's time. A helper's patch sets the modules the launch (or
+    a helper before it in the same launch: triton.language's own, such as tl.sum, patch triton.language.core too)
+    already patched to the same interpreted builtins, so within a launch that patched the helper's modules it is
+    skipped; anything else patches as before."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch, run = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    launches = []  # per running launch: the language modules patched in it so far (None until its own patch)
+
+    def modules(fn):
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def patch_once(fn):
+        if launches and launches[-1] is not None and modules(fn) <= launches[-1]:
+            return interpreter._LangPatchScope()  # a helper inside the kernel: nothing left to patch
+        scope = patch(fn)
+        if launches:  # the launch's own patch (before any program runs), or a helper's with more modules
+            launches[-1] = (launches[-1] or set()) | modules(fn)
+        return scope
+
+    def launch(self, *args, **kwargs):
+        launches.append(None)
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _round_like_the_gpu()
+    _patch_the_language_once_per_launch()
 
 from hf_models import KINDS, make_hf_model  # noqa: E402
 
