@@ -167,13 +167,15 @@ class RoutingPolicy:
         route.picks[self.role] = ranked[0].address, "least_loaded"
         if self.cfg.policy == "least_loaded":
             return ranked
+        fitting = [w for w in ranked if fits(w)]
+        if not fitting:  # nothing to prefer (the router's wait for decode capacity asks again every few ms)
+            return ranked
         usable = (len(route.tokens) - 1) // BLOCK_SIZE  # a hit leaves the prompt's last token to compute
         keys, now = route.keys[:usable], time.monotonic()
         with self._lock:
-            hits = {w.address: self.index.match(w.address, keys, now) for w in ranked}
-        best = max((w for w in ranked if fits(w)), key=lambda w: hits[w.address], default=None)
-        if best is None or hits[best.address] * BLOCK_SIZE < self.cfg.cache_threshold * len(route.tokens) \
-                or not hits[best.address]:
+            hits = {w.address: self.index.match(w.address, keys, now) for w in fitting}
+        best = max(fitting, key=lambda w: hits[w.address])
+        if not hits[best.address] or hits[best.address] * BLOCK_SIZE < self.cfg.cache_threshold * len(route.tokens):
             return ranked
         low, high = min(load(w) for w in ranked), load(best)
         if high - low > self.cfg.balance_abs_threshold and high > self.cfg.balance_rel_threshold * low:
