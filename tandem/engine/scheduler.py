@@ -97,11 +97,9 @@ class Scheduler:
         """Blocks for `rows` rows and a state slot for a request that holds none, leaving the watermark free
         (unless the pool is idle: a request that needs every block must still start); `shared`: cached blocks it
         starts from (num_computed already past them)."""
-        held = len(self.running) + len(self.reserved)
-        watermark = self.watermark if held else 0
+        watermark = self.watermark if self.running or self.reserved else 0
         need = self._missing_blocks(seq, rows) - len(shared) + self.pools.blocks.num_unused(shared)
-        if held >= self.ecfg.max_num_seqs or not self.pools.slots.can_allocate(1) \
-                or not self.pools.blocks.can_allocate(need + watermark):
+        if not self._seat_free() or not self.pools.blocks.can_allocate(need + watermark):
             return False
         self.pools.blocks.share(shared)
         seq.block_ids = list(shared)
@@ -111,8 +109,14 @@ class Scheduler:
             seq.scheduled_time = time.monotonic()
         return True
 
+    def _seat_free(self) -> bool:
+        """Room for one more request: below max_num_seqs, and a state slot free."""
+        return len(self.running) + len(self.reserved) < self.ecfg.max_num_seqs and self.pools.slots.can_allocate(1)
+
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Allocates a waiting request's first chunk (from its prefix-cache hit); its rows, 0 when it must wait."""
+        if not self._seat_free():  # before matching its prompt, which a full batch would redo every step
+            return 0
         if self.prefix is None:
             rows = min(budget, seq.prefill_len)
             return rows if self._allocate(seq, rows) else 0
